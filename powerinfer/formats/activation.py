@@ -1,0 +1,111 @@
+"""Activation statistics folders: ``activation_{i}.pt`` per layer (FORMATS.md section 2).
+
+Each file holds a 1-D tensor of length ``n_ff``: how many calibration tokens
+activated each neuron of layer ``i``. We write int64 counts and accept any real
+dtype when reading. Layers are found by the number in the file name, never by
+sorting names as strings (upstream's exporter put ``activation_10`` before
+``activation_2``) and never by counting files, so a README or ``.gitkeep`` beside
+them is harmless. Our own metadata goes in ``powerinfer_stats.json``, which
+upstream readers (globbing ``activation_*.pt``) ignore.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import PowerInferError
+from ._atomic import atomic_dir
+
+STATS_FILE = "powerinfer_stats.json"
+_NAME = re.compile(r"activation_(\d+)\.pt")
+MAX_LAYERS = 4096
+MAX_N_FF = 1 << 22
+
+
+def save_activation_dir(out_dir: str | Path, counts: Sequence[torch.Tensor], stats: dict[str, Any] | None = None) -> Path:
+    """Write per-layer counts (each 1-D, length n_ff) and an optional stats dict, atomically."""
+    out_dir = Path(out_dir)
+    with atomic_dir(out_dir) as tmp:
+        for i, c in enumerate(counts):
+            if c.dim() != 1:
+                raise ValueError(f"layer {i}: counts must be 1-D, got shape {tuple(c.shape)}")
+            torch.save(c.detach().to(torch.int64).cpu().clone(), tmp / f"activation_{i}.pt")
+        if stats is not None:
+            (tmp / STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n")
+    return out_dir
+
+
+def layer_files(folder: str | Path, pattern: re.Pattern[str], what: str) -> dict[int, Path]:
+    """Map layer number -> file for names matching ``pattern`` (group 1 = layer)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise PowerInferError(f"{folder}: {what} folder not found")
+    found: dict[int, Path] = {}
+    for p in folder.iterdir():
+        m = pattern.fullmatch(p.name)
+        if m and p.is_file():
+            i = int(m.group(1))
+            if i >= MAX_LAYERS:
+                raise PowerInferError(f"{p}: layer number {i} is out of range")
+            found[i] = p
+    return found
+
+
+def check_layers(found: dict[int, Path], folder: Path, template: str, n_layer: int | None, what: str) -> int:
+    """Layers must be exactly 0..L-1 (L = n_layer if given). Returns L."""
+    if not found:
+        raise PowerInferError(f"{folder}: no {template.format(i='{i}')} files in this {what} folder")
+    L = n_layer if n_layer is not None else max(found) + 1
+    missing = [i for i in range(L) if i not in found]
+    if missing:
+        names = ", ".join(template.format(i=i) for i in missing[:5])
+        raise PowerInferError(f"{folder}: missing layer file(s) {names} ({what} folder must hold layers 0..{L - 1})")
+    extra = sorted(i for i in found if i >= L)
+    if extra:
+        raise PowerInferError(f"{folder}: has {template.format(i=extra[0])} but the model has only {L} layers")
+    return L
+
+
+def load_activation_dir(folder: str | Path, n_layer: int | None = None, n_ff: int | None = None) -> list[torch.Tensor]:
+    """Read ``activation_{i}.pt`` for i = 0..L-1 as float64 tensors of length n_ff.
+
+    Raises PowerInferError naming the file for: a missing folder or layer, a file
+    that is not a torch tensor, a tensor that is not 1-D and real, negative or
+    non-finite counts, or lengths that differ between layers or from ``n_ff``.
+    """
+    folder = Path(folder)
+    found = layer_files(folder, _NAME, "activation")
+    L = check_layers(found, folder, "activation_{i}.pt", n_layer, "activation")
+    out: list[torch.Tensor] = []
+    for i in range(L):
+        p = found[i]
+        try:
+            t = torch.load(p, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unreadable file is bad input
+            raise PowerInferError(f"{p}: not a readable torch file ({type(e).__name__}: {e})") from None
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_complex() or t.dtype == torch.bool:
+            raise PowerInferError(f"{p}: expected a 1-D tensor of activation counts")
+        if t.numel() == 0 or t.numel() > MAX_N_FF:
+            raise PowerInferError(f"{p}: length {t.numel()} is out of range")
+        t = t.to(torch.float64)
+        if not torch.isfinite(t).all() or (t < 0).any():
+            raise PowerInferError(f"{p}: counts must be finite and non-negative")
+        want = n_ff if n_ff is not None else (out[0].numel() if out else None)
+        if want is not None and t.numel() != want:
+            raise PowerInferError(f"{p}: has {t.numel()} neurons, expected n_ff = {want}")
+        out.append(t)
+    return out
+
+
+def load_activation_stats(folder: str | Path) -> dict[str, Any] | None:
+    p = Path(folder) / STATS_FILE
+    if not p.is_file():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise PowerInferError(f"{p}: not valid JSON ({e})") from None

@@ -1,0 +1,101 @@
+"""Predictor folders: ``model_{i}.pt`` per layer plus ``config.json`` (FORMATS.md section 3).
+
+Each ``model_{i}.pt`` is a ``torch.save``d state dict with exactly ``fc1.weight``
+``[H_i, n_embd]`` and ``fc2.weight`` ``[n_ff, H_i]`` (no biases). The predictor is
+``logits = fc2(relu(fc1(x)))`` and neuron j is predicted active when
+``logits_j >= sparse_threshold``. Layers are found by the number in the file name:
+a missing ``model_5.pt`` is an error (upstream silently dropped every later
+layer) and unrelated ``.pt`` files are ignored (upstream counted them).
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import PowerInferError
+from ._atomic import atomic_dir
+from .activation import check_layers, layer_files
+
+CONFIG_FILE = "config.json"
+_NAME = re.compile(r"model_(\d+)\.pt")
+MAX_HIDDEN = 1 << 16
+
+
+@dataclass
+class LayerPredictor:
+    """One layer's predictor weights (fp32 on CPU)."""
+
+    fc1: torch.Tensor  # [H, n_embd]
+    fc2: torch.Tensor  # [n_ff, H]
+
+    @property
+    def hidden(self) -> int:
+        return self.fc1.shape[0]
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[..., n_embd]`` -> ``[..., n_ff]`` logits."""
+        return torch.relu(x @ self.fc1.T) @ self.fc2.T
+
+
+def save_predictor_dir(out_dir: str | Path, layers: Sequence[LayerPredictor], config: dict[str, Any]) -> Path:
+    """Write ``model_{i}.pt`` and ``config.json`` atomically (``config`` must hold sparse_threshold)."""
+    with atomic_dir(out_dir) as tmp:
+        for i, lp in enumerate(layers):
+            sd = {"fc1.weight": lp.fc1.detach().float().cpu().contiguous().clone(),
+                  "fc2.weight": lp.fc2.detach().float().cpu().contiguous().clone()}
+            torch.save(sd, tmp / f"model_{i}.pt")
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return Path(out_dir)
+
+
+def read_predictor_config(folder: str | Path) -> dict[str, Any]:
+    p = Path(folder) / CONFIG_FILE
+    if not p.is_file():
+        return {}
+    try:
+        cfg = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise PowerInferError(f"{p}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise PowerInferError(f"{p}: expected a JSON object")
+    t = cfg.get("sparse_threshold", 0.0)
+    if not isinstance(t, (int, float)) or not math.isfinite(t):
+        raise PowerInferError(f"{p}: sparse_threshold must be a finite number, got {t!r}")
+    return cfg
+
+
+def load_predictor_dir(folder: str | Path, n_layer: int, n_embd: int, n_ff: int) -> list[LayerPredictor]:
+    """Read and check every layer's predictor for a model of the given dimensions.
+
+    Raises PowerInferError naming the file for a missing layer, an unreadable
+    file, missing/extra tensors, biases, or shapes that do not match the model.
+    """
+    folder = Path(folder)
+    found = layer_files(folder, _NAME, "predictor")
+    check_layers(found, folder, "model_{i}.pt", n_layer, "predictor")
+    out = []
+    for i in range(n_layer):
+        p = found[i]
+        try:
+            sd = torch.load(p, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001
+            raise PowerInferError(f"{p}: not a readable torch file ({type(e).__name__}: {e})") from None
+        if not isinstance(sd, dict) or set(sd) != {"fc1.weight", "fc2.weight"}:
+            keys = sorted(sd) if isinstance(sd, dict) else type(sd).__name__
+            raise PowerInferError(f"{p}: expected exactly fc1.weight and fc2.weight, found {keys}")
+        fc1, fc2 = sd["fc1.weight"], sd["fc2.weight"]
+        if fc1.dim() != 2 or fc2.dim() != 2:
+            raise PowerInferError(f"{p}: fc1/fc2 must be 2-D")
+        h = fc1.shape[0]
+        if not (0 < h <= MAX_HIDDEN) or tuple(fc1.shape) != (h, n_embd) or tuple(fc2.shape) != (n_ff, h):
+            raise PowerInferError(
+                f"{p}: predictor shapes fc1 {tuple(fc1.shape)}, fc2 {tuple(fc2.shape)} do not match the model "
+                f"(expected fc1 [H, n_embd={n_embd}], fc2 [n_ff={n_ff}, H])")
+        out.append(LayerPredictor(fc1.float(), fc2.float()))
+    return out
