@@ -122,6 +122,8 @@ class Family:
     # GGUF tensors per layer besides the FFN/predictor ones, for checking a file.
     gguf_layer_tensors: tuple[str, ...] = field(default_factory=tuple)
     gguf_global_tensors: tuple[str, ...] = field(default_factory=tuple)
+    norm: str = "rms"  # "rms" (RMSNorm, no bias) | "layer" (LayerNorm with bias)
+    rope: str | None = "normal"  # GGML rope mode: "normal" (interleaved pairs) | "neox" | None
 
     @property
     def gated(self) -> bool:
@@ -135,6 +137,16 @@ class Family:
             return act.fires(gate) & act.fires(up)
         if self.ffn == "relu":
             return act.fires(up)
+        raise AssertionError(self.ffn)
+
+    def combine(self, act: Activation, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
+        """The FFN hidden activations ``h`` (``down(h)`` is the FFN output); shapes ``[..., n_ff]``."""
+        if self.ffn == "reglu":
+            return act.apply(gate) * up
+        if self.ffn == "dreglu":
+            return act.apply(gate) * act.apply(up)
+        if self.ffn == "relu":
+            return act.apply(up)
         raise AssertionError(self.ffn)
 
     def ffn_neuron_bytes(self, n_embd: int, bytes_per_weight: float) -> float:

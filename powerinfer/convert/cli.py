@@ -1,0 +1,31 @@
+"""``pi-convert``: Hugging Face model (+ predictors) -> GGUF / PowerInfer GGUF."""
+from __future__ import annotations
+
+import logging
+
+import click
+
+from ..errors import cli_errors
+from .writer import OUTTYPES, convert
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("model_dir", type=click.Path(file_okay=False))
+@click.argument("pred_dir", required=False, type=click.Path(file_okay=False))
+@click.option("--outfile", required=True, type=click.Path(dir_okay=False),
+              help="Output file (*.powerinfer.gguf with predictors, *.gguf without).")
+@click.option("--outtype", type=click.Choice(sorted(OUTTYPES)), default="f16", show_default=True,
+              help="2-D weight dtype (1-D tensors are always f32).")
+@click.option("--sparse-threshold", type=float, default=None,
+              help="Predictor logit threshold (default: the predictor folder's config.json, else 0.0).")
+@cli_errors
+def main(model_dir, pred_dir, outfile, outtype, sparse_threshold):
+    """Write MODEL_DIR as a PowerInfer GGUF with the predictors in PRED_DIR, or a dense GGUF without."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    out = convert(model_dir, outfile, pred_dir, outtype, sparse_threshold)
+    kind = "PowerInfer GGUF (PWRI, sparse)" if pred_dir else "dense GGUF"
+    click.echo(f"wrote {out} ({kind}, {out.stat().st_size / 1e6:.2f} MB)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Stream tensors out of a Hugging Face checkpoint one at a time.
+
+Reads ``*.safetensors`` shards lazily (``safe_open``), so a 70B model converts in
+bounded memory, the way llama.cpp's converter does. ``pytorch_model*.bin`` is
+accepted too, loaded with ``weights_only=True`` (no pickled code runs).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..errors import PowerInferError
+
+
+class HFTensors:
+    """Name -> shape and lazy loading for every tensor of a model folder."""
+
+    def __init__(self, model_dir: str | Path):
+        self.model_dir = Path(model_dir)
+        self._where: dict[str, Path] = {}
+        st = sorted(self.model_dir.glob("*.safetensors"))
+        if st:
+            from safetensors import safe_open
+
+            for f in st:
+                try:
+                    with safe_open(str(f), framework="pt") as h:
+                        for k in h.keys():
+                            self._where[k] = f
+                except Exception as e:  # noqa: BLE001
+                    raise PowerInferError(f"{f}: not a readable safetensors file ({e})") from None
+            self._kind = "safetensors"
+        else:
+            bins = sorted(self.model_dir.glob("pytorch_model*.bin"))
+            if not bins:
+                raise PowerInferError(f"{self.model_dir}: no *.safetensors or pytorch_model*.bin weights found")
+            self._kind = "bin"
+            self._bin_cache: dict[Path, dict[str, torch.Tensor]] = {}
+            for f in bins:
+                for k in self._load_bin(f):
+                    self._where[k] = f
+
+    def _load_bin(self, f: Path) -> dict[str, torch.Tensor]:
+        if f not in self._bin_cache:
+            self._bin_cache.clear()  # keep at most one shard in memory
+            try:
+                sd = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as e:  # noqa: BLE001
+                raise PowerInferError(f"{f}: not a readable torch checkpoint ({e})") from None
+            if not isinstance(sd, dict):
+                raise PowerInferError(f"{f}: expected a state dict")
+            self._bin_cache[f] = sd
+        return self._bin_cache[f]
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        f = self._where[name]
+        if self._kind == "safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(f), framework="pt") as h:
+                return tuple(h.get_slice(name).get_shape())
+        return tuple(self._load_bin(f)[name].shape)
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor as stored (its own dtype), on CPU."""
+        f = self._where[name]
+        if self._kind == "safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(f), framework="pt") as h:
+                return h.get_tensor(name)
+        return self._load_bin(f)[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)

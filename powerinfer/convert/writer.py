@@ -1,0 +1,198 @@
+"""Write a Hugging Face model (plus predictors) as a GGUF or PowerInfer GGUF.
+
+With predictors the file is a PowerInfer GGUF (FORMATS.md section 4): magic
+``PWRI``, ``blk.i.ffn_down_t.weight`` (the down projection transposed to
+``[n_ff, n_embd]`` so each neuron is one contiguous row) instead of
+``ffn_down``, and the per-layer predictor ``blk.i.fc1.weight`` ``[H_i, n_embd]``
+/ ``blk.i.fc2.weight`` ``[n_ff, H_i]``. Without predictors it is a plain dense
+GGUF that llama.cpp reads. Q and K rows are permuted from the HF rotate-half
+layout to GGML's interleaved RoPE layout, as llama.cpp's converter does.
+
+Tensors are streamed: tensor infos are written first from shapes alone, then
+each tensor is loaded, transformed and written, so memory stays bounded. The
+output goes to a temporary file that is renamed only when complete.
+
+Beyond upstream's keys we write ``powerinfer.activation`` (and
+``powerinfer.activation_threshold`` for FATReLU) so no reader guesses the FFN
+activation from the architecture name, and the model's real context length
+(upstream's converter hard-codes 2048).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import gguf
+import numpy as np
+import torch
+
+from ..errors import PowerInferError
+from ..families import Activation, Family, hf_dims
+from ..formats._atomic import atomic_path
+from ..formats.gguf_file import PWRI_BYTES, set_magic
+from ..formats.predictor import LayerPredictor, load_predictor_dir, read_predictor_config
+from ..hf import resolve_model
+from .hf_tensors import HFTensors
+from .vocab import add_vocab
+
+log = logging.getLogger(__name__)
+
+# Tensors in HF checkpoints that carry no weights of their own.
+_SKIP_SUFFIXES = ("rotary_emb.inv_freq", "attn.masked_bias", "attn.bias")
+
+OUTTYPES = {"f16": (np.float16, gguf.GGMLQuantizationType.F16), "f32": (np.float32, gguf.GGMLQuantizationType.F32)}
+
+
+def permute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """HF rotate-half rows -> GGML interleaved rows, per head (llama.cpp's ``permute``).
+
+    ``w``: ``[n_head * head_dim, n_embd]`` (or 1-D bias). Within each head, rows
+    ``[0..d/2)`` and ``[d/2..d)`` are interleaved so pair ``(2i, 2i+1)`` rotates together.
+    """
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+@dataclass
+class PlannedTensor:
+    gguf_name: str
+    shape: tuple[int, ...]  # torch order
+    load: Callable[[], torch.Tensor]
+    is_weight_matrix: bool
+
+
+def _plan(family: Family, cfg: dict, dims: dict, tensors: HFTensors, sparse: bool,
+          predictors: list[LayerPredictor] | None, src: Path) -> list[PlannedTensor]:
+    n_head, n_head_kv = dims["n_head"], dims["n_head_kv"]
+    transforms = {
+        None: lambda t: t,
+        "permute_q": lambda t: permute_rope(t, n_head),
+        "permute_k": lambda t: permute_rope(t, n_head_kv),
+        "down": (lambda t: t.T.contiguous()) if sparse else (lambda t: t),
+    }
+    by_name: dict[str, PlannedTensor] = {}
+    for name in tensors.names():
+        if name.endswith(_SKIP_SUFFIXES):
+            continue
+        hit = family.map_tensor(name)
+        if hit is None:
+            raise PowerInferError(f"{src}: tensor {name!r} has no GGUF name in the {family.name} family; "
+                                  "refusing to write a file that would miss it")
+        gname, tr = hit
+        shape = tensors.shape(name)
+        if tr == "down" and sparse:
+            gname = gname.replace("ffn_down", "ffn_down_t")
+            shape = shape[::-1]
+        fn = transforms[tr]
+        by_name[gname] = PlannedTensor(gname, shape, (lambda n=name, f=fn: f(tensors.get(n))), len(shape) == 2)
+    # Tied embeddings: the upstream loader wants an explicit output.weight.
+    if "output.weight" not in by_name and "output.weight" in family.expected_gguf_tensors(0, sparse):
+        emb = by_name.get("token_embd.weight")
+        if emb is None:
+            raise PowerInferError(f"{src}: no token embedding found")
+        by_name["output.weight"] = PlannedTensor("output.weight", emb.shape, emb.load, True)
+    if predictors is not None:
+        for i, lp in enumerate(predictors):
+            for part in ("fc1", "fc2"):
+                t = getattr(lp, part)
+                by_name[f"blk.{i}.{part}.weight"] = PlannedTensor(
+                    f"blk.{i}.{part}.weight", tuple(t.shape), (lambda t=t: t), True)
+    expected = family.expected_gguf_tensors(dims["n_layer"], sparse)
+    missing = [n for n in expected if n not in by_name]
+    extra = [n for n in by_name if n not in set(expected)]
+    if missing or extra:
+        raise PowerInferError(f"{src}: the checkpoint does not give the {family.gguf_arch} tensor set: "
+                              f"missing {missing[:4]}, unexpected {extra[:4]}")
+    return [by_name[n] for n in expected]
+
+
+def _add_hparams(w: gguf.GGUFWriter, family: Family, cfg: dict, dims: dict, act: Activation, name: str) -> None:
+    w.add_name(name)
+    w.add_context_length(dims["n_ctx"])
+    w.add_embedding_length(dims["n_embd"])
+    w.add_block_count(dims["n_layer"])
+    w.add_feed_forward_length(dims["n_ff"])
+    w.add_head_count(dims["n_head"])
+    w.add_head_count_kv(dims["n_head_kv"])
+    if family.norm == "rms":
+        w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
+    else:
+        w.add_layer_norm_eps(float(cfg.get("layer_norm_epsilon", cfg.get("layer_norm_eps", 1e-5))))
+    if family.rope is not None:
+        w.add_rope_dimension_count(dims["n_embd"] // dims["n_head"])
+        w.add_rope_freq_base(float(cfg.get("rope_theta") or 10000.0))
+    w.add_string("powerinfer.activation", act.kind)
+    if act.kind == "fatrelu":
+        w.add_float32("powerinfer.activation_threshold", act.threshold)
+
+
+def _model_name(model_dir: Path) -> str:
+    d = model_dir.resolve()
+    return d.parent.name if d.name in ("hf", "model") else d.name
+
+
+def convert(model_dir: str | Path, outfile: str | Path, pred_dir: str | Path | None = None,
+            outtype: str = "f16", sparse_threshold: float | None = None, progress: bool = True) -> Path:
+    """Convert ``model_dir`` (+ ``pred_dir``) to ``outfile``; returns the output path.
+
+    ``outtype``: ``f16`` (2-D weights in f16, 1-D in f32; what upstream PowerInfer
+    computes with) or ``f32``. ``sparse_threshold`` overrides the predictor
+    folder's ``config.json``. Raises PowerInferError for unsupported models,
+    predictor folders that do not match, or unmappable tensors; nothing is
+    written at ``outfile`` then.
+    """
+    model_dir, outfile = Path(model_dir), Path(outfile)
+    if outtype not in OUTTYPES:
+        raise PowerInferError(f"--outtype {outtype!r}: expected one of {', '.join(OUTTYPES)}")
+    family, cfg, act = resolve_model(model_dir)
+    dims = hf_dims(cfg)
+    sparse = pred_dir is not None
+    predictors = None
+    if sparse:
+        if not act.is_sparse:
+            raise PowerInferError(f"{model_dir / 'config.json'}: activation {act.kind!r} is not ReLU-family, so its FFN "
+                                  "has no sparsity to predict; convert without predictors for a dense GGUF")
+        predictors = load_predictor_dir(pred_dir, dims["n_layer"], dims["n_embd"], dims["n_ff"])
+        if sparse_threshold is None:
+            sparse_threshold = float(read_predictor_config(pred_dir).get("sparse_threshold", 0.0))
+        if outtype == "f32":
+            log.warning("f32 output: upstream PowerInfer's CPU kernel reads ffn_down_t only as f16/Q4_0 "
+                        "and computes garbage from f32; use this file with pi-run only")
+    tensors = HFTensors(model_dir)
+    plan = _plan(family, cfg, dims, tensors, sparse, predictors, model_dir)
+    np_dtype, qtype = OUTTYPES[outtype]
+    n_vocab = int(cfg.get("vocab_size") or plan[0].shape[0])
+
+    with atomic_path(outfile) as tmp:
+        w = gguf.GGUFWriter(str(tmp), family.gguf_arch)
+        _add_hparams(w, family, cfg, dims, act, _model_name(model_dir))
+        w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if outtype == "f16" else gguf.LlamaFileType.ALL_F32)
+        if sparse:
+            w.add_float32("powerinfer.sparse_threshold", float(sparse_threshold))
+        add_vocab(w, model_dir, n_vocab)
+        for pt in plan:
+            dt = np_dtype if pt.is_weight_matrix else np.float32
+            nbytes = int(np.prod(pt.shape)) * np.dtype(dt).itemsize
+            w.add_tensor_info(pt.gguf_name, pt.shape, np.dtype(dt), nbytes,
+                              raw_dtype=qtype if pt.is_weight_matrix else gguf.GGMLQuantizationType.F32)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        it: Iterable[PlannedTensor] = plan
+        if progress:
+            from tqdm import tqdm
+
+            it = tqdm(plan, desc=f"writing {outfile.name}", unit="tensor")
+        for pt in it:
+            t = pt.load().detach().to(torch.float32)
+            if tuple(t.shape) != pt.shape:
+                raise PowerInferError(f"{model_dir}: tensor for {pt.gguf_name} has shape {tuple(t.shape)}, "
+                                      f"expected {pt.shape}")
+            arr = t.numpy().astype(np_dtype if pt.is_weight_matrix else np.float32, copy=False)
+            w.write_tensor_data(np.ascontiguousarray(arr))
+        w.close()
+        if sparse:
+            set_magic(tmp, PWRI_BYTES)
+    return outfile

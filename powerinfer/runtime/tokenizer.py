@@ -1,0 +1,118 @@
+"""Tokenize with the vocabulary stored in the GGUF itself.
+
+``tokenizer.ggml.model = llama`` (SentencePiece BPE with scores): we rebuild a
+SentencePiece model proto from the file's tokens, scores and token types and
+let the ``sentencepiece`` library tokenize, so the result is SentencePiece's own
+(the same as the model's original ``tokenizer.model``). ``gpt2`` (byte-level
+BPE with merges) uses the ``tokenizers`` library.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..errors import PowerInferError
+from ..formats.gguf_file import GGUFFile
+
+_BYTE, _UNKNOWN, _CONTROL = 6, 2, 3
+
+
+class GGUFTokenizer:
+    """``encode(text) -> ids`` and ``decode(ids) -> text`` for a GGUF's vocabulary."""
+
+    def __init__(self, g: GGUFFile):
+        model = g.get("tokenizer.ggml.model")
+        tok_field = g.reader.get_field("tokenizer.ggml.tokens")
+        if model is None or tok_field is None:
+            raise PowerInferError(f"{g.path}: no tokenizer in this GGUF (tokenizer.ggml.* keys missing)")
+        self.tokens: list[str] = list(g.get("tokenizer.ggml.tokens"))
+        self.bos_id = g.get("tokenizer.ggml.bos_token_id")
+        self.eos_id = g.get("tokenizer.ggml.eos_token_id")
+        self.add_bos = bool(g.get("tokenizer.ggml.add_bos_token", model == "llama"))
+        types = g.get("tokenizer.ggml.token_type") or [1] * len(self.tokens)
+        if model == "llama":
+            scores = g.get("tokenizer.ggml.scores") or [0.0] * len(self.tokens)
+            self._sp = _sentencepiece_from_vocab(self.tokens, scores, types, g)
+            self._bpe = None
+        elif model == "gpt2":
+            self._sp = None
+            self._bpe = _bpe_from_vocab(self.tokens, g.get("tokenizer.ggml.merges") or [], g)
+        else:
+            raise PowerInferError(f"{g.path}: tokenizer model {model!r} is not supported (llama, gpt2)")
+        self.control_ids = {i for i, t in enumerate(types) if t == _CONTROL}
+
+    @property
+    def n_vocab(self) -> int:
+        return len(self.tokens)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        add_bos = self.add_bos if add_bos is None else add_bos
+        if self._sp is not None:
+            ids = list(self._sp.EncodeAsIds(text))
+        else:
+            ids = self._bpe.encode(text, add_special_tokens=False).ids
+        if add_bos and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ids = [i for i in ids if i not in self.control_ids]
+        if self._sp is not None:
+            return self._sp.DecodeIds(ids)
+        return self._bpe.decode(ids, skip_special_tokens=False)
+
+
+class TextStream:
+    """Turns a growing id sequence into text deltas without splitting UTF-8 characters."""
+
+    def __init__(self, tok: GGUFTokenizer):
+        self.tok, self.ids, self.emitted = tok, [], ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more bytes
+            return ""
+        delta = text[len(self.emitted):] if text.startswith(self.emitted) else text
+        self.emitted = text
+        return delta
+
+
+def _sentencepiece_from_vocab(tokens: list[str], scores: list[float], types: list[int], g: GGUFFile):
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    m = pb.ModelProto()
+    m.trainer_spec.model_type = pb.TrainerSpec.BPE
+    m.trainer_spec.vocab_size = len(tokens)
+    m.trainer_spec.byte_fallback = any(t == _BYTE for t in types)
+    for key, field in (("unknown", "unk_id"), ("bos", "bos_id"), ("eos", "eos_id"), ("padding", "pad_id")):
+        v = g.get(f"tokenizer.ggml.{key}_token_id")
+        setattr(m.trainer_spec, field, int(v) if v is not None and 0 <= v < len(tokens) else -1)
+    m.normalizer_spec.name = "identity"
+    m.normalizer_spec.add_dummy_prefix = True
+    m.normalizer_spec.remove_extra_whitespaces = False
+    m.normalizer_spec.escape_whitespaces = True
+    for text, score, ttype in zip(tokens, scores, types):
+        p = m.pieces.add()
+        p.piece, p.score = text, float(score)
+        p.type = ttype if ttype in (1, 2, 3, 4, 5, 6) else 1
+    sp = spm.SentencePieceProcessor()
+    try:
+        sp.LoadFromSerializedProto(m.SerializeToString())
+    except Exception as e:  # noqa: BLE001
+        raise PowerInferError(f"{g.path}: its SentencePiece vocabulary is unusable ({e})") from None
+    return sp
+
+
+def _bpe_from_vocab(tokens: list[str], merges: list[str], g: GGUFFile):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    try:
+        tk = Tokenizer(models.BPE(vocab=vocab, merges=pairs))
+    except Exception as e:  # noqa: BLE001
+        raise PowerInferError(f"{g.path}: its BPE vocabulary is unusable ({e})") from None
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    return tk
