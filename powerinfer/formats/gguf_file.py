@@ -97,7 +97,7 @@ def open_gguf(path: str | Path, reader_cls: type[GGUFReader] = PwriReader) -> GG
     try:
         reader = reader_cls(path, "r")
     except Exception as e:  # noqa: BLE001 - gguf raises many types on corrupt input
-        raise PowerInferError(f"{path}: not a valid GGUF file, truncated or corrupt ({type(e).__name__}: {e})") from None
+        raise PowerInferError(f"{path}: not a valid GGUF file, truncated or corrupt ({e})") from None
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
             raise PowerInferError(f"{path}: truncated: tensor {t.name!r} extends past the end of the file")

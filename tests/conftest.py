@@ -1,0 +1,29 @@
+"""Fixtures: real inputs from ../shared and small models built on the fly."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from helpers import STORIES, need
+
+
+@pytest.fixture(scope="session")
+def stories_hf() -> Path:
+    """The real pretrained stories260K (SiLU Llama) in HF layout."""
+    return need(STORIES / "hf")
+
+
+@pytest.fixture(scope="session")
+def relu_hf(tmp_path_factory, stories_hf) -> Path:
+    """stories260K with hidden_act switched to relu (real weights, ReLU FFN, not fine-tuned)."""
+    d = tmp_path_factory.mktemp("relu") / "stories260K-relu-raw"
+    shutil.copytree(stories_hf, d)
+    for p in d.iterdir():
+        p.chmod(0o644)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["hidden_act"] = "relu"
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d

@@ -1,0 +1,45 @@
+"""Paths and small helpers shared by the tests (fixtures live in conftest.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+STORIES = SHARED / "models" / "stories260K"
+
+
+def need(path: Path) -> Path:
+    if not path.exists():
+        pytest.skip(f"{path} is not available")
+    return path
+
+
+def story_text(n_chars: int = 2000) -> str:
+    return need(SHARED / "data" / "tinystories" / "tinystories_sample.txt").read_text()[:n_chars]
+
+
+def make_tiny_llama(out_dir: Path, n_layer: int = 3, hidden_act: str = "relu", n_embd: int = 32,
+                    n_ff: int = 48, n_head: int = 4, n_head_kv: int = 2, seed: int = 0, **extra) -> Path:
+    """A randomly initialised LlamaForCausalLM (vocab 512, stories260K's tokenizer) saved in HF layout."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=n_embd, intermediate_size=n_ff, num_hidden_layers=n_layer,
+                      num_attention_heads=n_head, num_key_value_heads=n_head_kv, hidden_act=hidden_act,
+                      max_position_embeddings=256, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                      **extra)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # larger weights than the default init, so activations are not all tiny
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    model.save_pretrained(out_dir)
+    for name in ("tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(STORIES / "hf" / name, out_dir / name)
+        (out_dir / name).chmod(0o644)
+    return out_dir
