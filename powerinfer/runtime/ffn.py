@@ -31,6 +31,9 @@ class FFN:
     gate: torch.Tensor | None  # [F, D] or None (Falcon/OPT)
     up: torch.Tensor  # [F, D]
     down_t: torch.Tensor  # [F, D]: row j is neuron j's output vector
+    gate_b: torch.Tensor | None = None  # [F] biases (OPT); None for bias-free families
+    up_b: torch.Tensor | None = None  # [F]
+    down_b: torch.Tensor | None = None  # [D]
     fc1: torch.Tensor | None = None  # [H, D] predictor, None when dense
     fc2: torch.Tensor | None = None  # [F, H]
     threshold: float = 0.0
@@ -58,20 +61,36 @@ class FFN:
             self.n_active += idx.numel()
             return self.rows(xn[0], idx).unsqueeze(0)
         self.n_active += int(mask.sum())
+        gate, up = self.preact(xn)
+        return self.down(self.family.combine(self.act, gate, up) * mask.to(xn.dtype))
+
+    def preact(self, xn: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Gate and up pre-activations ``[T, F]`` of every neuron (gate None without a gate)."""
         gate = xn @ self.gate.T if self.gate is not None else None
-        hidden = self.family.combine(self.act, gate, xn @ self.up.T) * mask.to(xn.dtype)
-        return hidden @ self.down_t
+        if self.gate_b is not None:
+            gate = gate + self.gate_b
+        up = xn @ self.up.T
+        return gate, up if self.up_b is None else up + self.up_b
+
+    def down(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = hidden @ self.down_t
+        return out if self.down_b is None else out + self.down_b
 
     def dense(self, xn: torch.Tensor) -> torch.Tensor:
-        gate = xn @ self.gate.T if self.gate is not None else None
-        return self.family.combine(self.act, gate, xn @ self.up.T) @ self.down_t
+        gate, up = self.preact(xn)
+        return self.down(self.family.combine(self.act, gate, up))
 
     def rows(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Only neurons ``idx`` (LongTensor ``[k]``) for one token ``x`` ``[D]`` -> ``[D]``."""
         gate = F.embedding(idx, self.gate) @ x if self.gate is not None else None
-        hidden = self.family.combine(self.act, gate, F.embedding(idx, self.up) @ x)  # [k]
-        return F.embedding_bag(idx.unsqueeze(0), self.down_t, per_sample_weights=hidden.unsqueeze(0),
-                               mode="sum")[0]
+        up = F.embedding(idx, self.up) @ x
+        if self.gate_b is not None:
+            gate = gate + self.gate_b[idx]
+        if self.up_b is not None:
+            up = up + self.up_b[idx]
+        hidden = self.family.combine(self.act, gate, up)  # [k]
+        out = F.embedding_bag(idx.unsqueeze(0), self.down_t, per_sample_weights=hidden.unsqueeze(0), mode="sum")[0]
+        return out if self.down_b is None else out + self.down_b
 
 
 def build_ffn(g, i: int, a: ModelArgs, dtype: torch.dtype, dense: bool,

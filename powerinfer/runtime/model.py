@@ -10,11 +10,9 @@ Shapes: ``T`` tokens in this call, ``P`` the position of the first of them,
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -22,29 +20,7 @@ from ..errors import PowerInferError
 from ..formats.gguf_file import GGUFFile
 from .args import ModelArgs
 from .ffn import FFN, build_ffn
-
-
-def load_tensor(g: GGUFFile, name: str, dtype: torch.dtype) -> torch.Tensor:
-    """A GGUF tensor as a torch tensor in torch order, ``dtype``.
-
-    Zero-copy (a view of the memory map) when the file already stores ``dtype``.
-    Raises PowerInferError for a missing tensor or an unsupported GGML type.
-    """
-    t = g.tensors.get(name)
-    if t is None:
-        raise PowerInferError(f"{g.path}: tensor {name!r} is missing")
-    data = t.data
-    if t.tensor_type.name not in ("F32", "F16", "BF16"):
-        from gguf import quants
-
-        try:
-            data = quants.dequantize(np.asarray(t.data), t.tensor_type)
-        except NotImplementedError:
-            raise PowerInferError(f"{g.path}: tensor {name!r} has type {t.tensor_type.name}, not supported") from None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the map is read-only; we never write to weights
-        out = torch.from_numpy(data)
-    return out if out.dtype == dtype else out.to(dtype)
+from .weights import load_tensor
 
 
 @dataclass
@@ -170,9 +146,8 @@ class Transformer:
         a = self.args
 
         def fn(i: int, x: torch.Tensor, xn: torch.Tensor) -> torch.Tensor:
-            ffn = self.layers[i].ffn
-            gate = xn @ ffn.gate.T if ffn.gate is not None else None
-            return a.family.active_mask(a.activation, gate, xn @ ffn.up.T)
+            gate, up = self.layers[i].ffn.preact(xn)
+            return a.family.active_mask(a.activation, gate, up)
 
         self.mask_fn = fn
 

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The whole pipeline on the bundled demo model (stories260K made ReLU-sparse):
+# install, profile, train predictors, convert to a PowerInfer GGUF, and generate.
+# Usage: bash recipes/demo.sh [OUT_DIR]   (default ./out/demo; re-runnable)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-out/demo}
+MODEL=powerinfer/assets/stories260K-relu
+DATA=powerinfer/assets/calibration.txt
+
+if ! command -v pi-run >/dev/null 2>&1 || ! python -c "import powerinfer" 2>/dev/null; then
+  echo "== installing (torch CPU wheel, then this package)"
+  python -m pip install --quiet "torch==2.13.0"
+  python -m pip install --quiet -e ".[test]"
+fi
+mkdir -p "$OUT"
+
+echo "== 1/4 pi-profile: which FFN neurons fire on the calibration text"
+pi-profile "$MODEL" --data "$DATA" --out "$OUT/activation"
+
+echo "== 2/4 pi-train-predictor: per-layer fc2(relu(fc1 x)) predictors"
+pi-train-predictor "$MODEL" --data "$DATA" --out "$OUT/predictor" --work-dir "$OUT/predictor-work"
+
+echo "== 3/4 pi-convert: PowerInfer GGUF (weights + predictors) and a dense GGUF"
+pi-convert "$MODEL" "$OUT/predictor" --outfile "$OUT/stories260K-relu.powerinfer.gguf"
+pi-convert "$MODEL" --outfile "$OUT/stories260K-relu.gguf"
+
+echo "== 4/4 pi-run: sparse generation (then the same prompt dense, for comparison)"
+pi-run -m "$OUT/stories260K-relu.powerinfer.gguf" -p "Once upon a time" -n 200 --temp 0 -t 1
+pi-run -m "$OUT/stories260K-relu.gguf" -p "Once upon a time" -n 200 --temp 0 -t 1
