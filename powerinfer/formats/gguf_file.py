@@ -8,7 +8,6 @@ extent is checked against the file size so a truncated file fails cleanly.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

@@ -14,14 +14,10 @@ Shapes: ``h``, ``xn``: ``[T, D]``; ``gate``/``up``/``down_t``: ``[F, D]``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 
-from ..errors import PowerInferError
 from ..families import Activation, Family
-from .args import ModelArgs
 
 
 @dataclass
@@ -91,27 +87,3 @@ class FFN:
         hidden = self.family.combine(self.act, gate, up)  # [k]
         out = F.embedding_bag(idx.unsqueeze(0), self.down_t, per_sample_weights=hidden.unsqueeze(0), mode="sum")[0]
         return out if self.down_b is None else out + self.down_b
-
-
-def build_ffn(g, i: int, a: ModelArgs, dtype: torch.dtype, dense: bool,
-              load: Callable[..., torch.Tensor]) -> FFN:
-    """Layer ``i``'s FFN from GGUF ``g``: PWRI files give ``ffn_down_t`` and the predictor."""
-    p = f"blk.{i}."
-    gate = load(g, p + "ffn_gate.weight", dtype) if a.family.gated else None
-    up = load(g, p + "ffn_up.weight", dtype)
-    if a.sparse:
-        down_t = load(g, p + "ffn_down_t.weight", dtype)
-    else:
-        down_t = load(g, p + "ffn_down.weight", dtype).T  # [F, D] view of [D, F]
-    ffn = FFN(a.family, a.activation, gate, up, down_t, threshold=a.sparse_threshold)
-    for w, name in ((gate, "ffn_gate"), (up, "ffn_up"), (down_t, "ffn_down_t")):
-        if w is not None and tuple(w.shape) != (a.n_ff, a.n_embd):
-            raise PowerInferError(f"{g.path}: blk.{i}.{name} has shape {tuple(w.shape)}, "
-                                  f"expected [n_ff={a.n_ff}, n_embd={a.n_embd}]")
-    if a.sparse and not dense:
-        ffn.fc1 = load(g, p + "fc1.weight", dtype)
-        ffn.fc2 = load(g, p + "fc2.weight", dtype)
-        if ffn.fc1.shape[1] != a.n_embd or ffn.fc2.shape != (a.n_ff, ffn.fc1.shape[0]):
-            raise PowerInferError(f"{g.path}: blk.{i} predictor shapes {tuple(ffn.fc1.shape)}, "
-                                  f"{tuple(ffn.fc2.shape)} do not match the model")
-    return ffn

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ..errors import PowerInferError
 from ..formats.gguf_file import GGUFFile
 from .args import ModelArgs
-from .ffn import FFN, build_ffn
+from .ffn import FFN
 from .weights import load_tensor
 
 
@@ -61,6 +61,29 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
 
 
+def build_ffn(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype, dense: bool) -> FFN:
+    """Layer ``i``'s FFN from GGUF ``g``: PWRI files give ``ffn_down_t`` and the predictor."""
+    p = f"blk.{i}."
+    gate = load_tensor(g, p + "ffn_gate.weight", dtype) if a.family.gated else None
+    up = load_tensor(g, p + "ffn_up.weight", dtype)
+    if a.sparse:
+        down_t = load_tensor(g, p + "ffn_down_t.weight", dtype)
+    else:
+        down_t = load_tensor(g, p + "ffn_down.weight", dtype).T  # [F, D] view of [D, F]
+    ffn = FFN(a.family, a.activation, gate, up, down_t, threshold=a.sparse_threshold)
+    for w, name in ((gate, "ffn_gate"), (up, "ffn_up"), (down_t, "ffn_down_t")):
+        if w is not None and tuple(w.shape) != (a.n_ff, a.n_embd):
+            raise PowerInferError(f"{g.path}: blk.{i}.{name} has shape {tuple(w.shape)}, "
+                                  f"expected [n_ff={a.n_ff}, n_embd={a.n_embd}]")
+    if a.sparse and not dense:
+        ffn.fc1 = load_tensor(g, p + "fc1.weight", dtype)
+        ffn.fc2 = load_tensor(g, p + "fc2.weight", dtype)
+        if ffn.fc1.shape[1] != a.n_embd or ffn.fc2.shape != (a.n_ff, ffn.fc1.shape[0]):
+            raise PowerInferError(f"{g.path}: blk.{i} predictor shapes {tuple(ffn.fc1.shape)}, "
+                                  f"{tuple(ffn.fc2.shape)} do not match the model")
+    return ffn
+
+
 class Transformer:
     """A GGUF model ready to run. ``dense=True`` computes every FFN neuron even in a PWRI file.
 
@@ -93,7 +116,7 @@ class Transformer:
                 wqkv=torch.cat([wq, wk, wv], 0),
                 wo=load_tensor(g, p + "attn_output.weight", dtype),
                 ffn_norm=load_tensor(g, p + "ffn_norm.weight", dtype),
-                ffn=build_ffn(g, i, a, dtype, self.dense, load_tensor),
+                ffn=build_ffn(g, i, a, dtype, self.dense),
             ))
         self.cos, self.sin = rope_tables(self.n_ctx, a.n_rot, a.rope_base)
         self.cache = KVCache(a.n_layer, self.n_ctx, a.n_head_kv, a.head_dim, dtype)
