@@ -1,0 +1,79 @@
+"""``python -m powerinfer``: the neuron placement solver upstream's engine calls.
+
+Upstream llama.cpp (``llm_load_gpu_split_with_budget``) regenerates a missing
+``<model>.generated.gpuidx`` by running::
+
+    python3 -m powerinfer --activation <model dir>/activation --layer N_LAYER \\
+        --neuron N_FF --capacity NEURONS --vram-capacity BYTES --output <model>.generated.gpuidx
+
+This command accepts the same flags with the same meaning as upstream's
+``powerinfer-py/powerinfer/__main__.py`` (``--capacity`` in neurons, ``--vram-capacity``
+in bytes and stored as ``split.vram_capacity``, ``--batch`` the chunk size in neurons,
+default 256, ``--threshold`` the per-layer minimum in neurons, default 0) and writes the
+same file, solved with :mod:`powerinfer.convert.placement` (exact; no cvxopt/GLPK).
+
+Differences from upstream, all deliberate: ``--layer`` and ``--neuron`` default to what
+the activation folder holds (upstream's defaults 59 and 32768 are one model's), and are
+checked against it when given; ``--capacity`` and ``--vram-capacity`` are required (upstream
+crashes without the latter); ``n_ff`` need not be a multiple of ``--batch``; layers are
+read by file number (upstream's exporter sorts names as strings); ``--threshold`` is honoured
+as "at least T neurons" (upstream truncates it to whole chunks). Our own options:
+``--model`` (the model file, to stamp its identity into the index; by default the output
+path minus ``.generated.gpuidx`` when that file exists), ``--min-share`` and
+``--time-limit``. Errors print one line naming the path and exit 1; no output file is left.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from .errors import PowerInferError, cli_errors
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--activation", required=True, type=str, help="Folder holding activation_{i}.pt (one per layer).")
+@click.option("--neuron", type=int, default=None, help="FFN neurons per layer (n_ff); default: from the files.")
+@click.option("--capacity", type=int, required=True, help="Neurons the GPU may hold, all layers together.")
+@click.option("--layer", type=int, default=None, help="Number of layers; default: from the files.")
+@click.option("--vram-capacity", "vram_capacity", type=int, required=True,
+              help="VRAM budget in bytes, stored in the index as split.vram_capacity.")
+@click.option("--batch", type=int, default=256, show_default=True, help="Chunk size in neurons (paper: 64).")
+@click.option("--threshold", type=int, default=0, show_default=True,
+              help="Per-layer minimum: a layer holds 0 or at least this many neurons on the GPU.")
+@click.option("--output", required=True, type=str, help="Index file to write (<model>.generated.gpuidx).")
+@click.option("--model", "model", type=click.Path(dir_okay=False), default=None,
+              help="Model file whose identity is stored in the index (ours; default: output minus .generated.gpuidx).")
+@click.option("--min-share", type=float, default=0.0, show_default=True,
+              help="Per-layer minimum as a share of n_ff (ours; combined with --threshold).")
+@click.option("--time-limit", type=float, default=30.0, show_default=True, help="Seconds for the MILP solver (ours).")
+@cli_errors
+def main(activation: str, neuron: int | None, capacity: int, layer: int | None, vram_capacity: int, batch: int,
+         threshold: int, output: str, model: str | None, min_share: float, time_limit: float) -> None:
+    """Place FFN neurons on the GPU and write a PowerInfer GPU index (.gpuidx)."""
+    from .convert.placement import solve_placement
+    from .formats.activation import load_activation_dir
+    from .formats.gpuidx import INDEX_SUFFIX, model_identity, write_gpu_index
+
+    out = Path(output)
+    for name, v in (("--layer", layer), ("--neuron", neuron), ("--batch", batch)):
+        if v is not None and v <= 0:
+            raise PowerInferError(f"{out}: {name} {v} must be positive")
+    for name, v in (("--capacity", capacity), ("--vram-capacity", vram_capacity), ("--threshold", threshold)):
+        if v < 0:
+            raise PowerInferError(f"{out}: {name} {v} must not be negative")
+    counts = load_activation_dir(activation, n_layer=layer, n_ff=neuron)
+    if model is None and out.name.endswith(INDEX_SUFFIX):
+        guess = out.with_name(out.name[: -len(INDEX_SUFFIX)])
+        model = str(guess) if guess.is_file() else None
+    model_id = model_identity(model) if model is not None else None
+    p = solve_placement(counts, capacity, chunk=batch, min_share=min_share, min_neurons=threshold,
+                        time_limit=time_limit)
+    write_gpu_index(out, p, vram_capacity, model_id=model_id)
+    click.echo(f"solved: {p.summary()}")
+    click.echo(f"per-layer GPU neurons: {p.n_gpu}")
+    click.echo(f"Exported to {out}")
+
+
+if __name__ == "__main__":
+    main()
