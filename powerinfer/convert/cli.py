@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import click
 
 from ..errors import cli_errors
+from .gpu_index import ensure_gpu_index
 from .writer import OUTTYPES, convert
 
 
@@ -18,13 +20,21 @@ from .writer import OUTTYPES, convert
               help="2-D weight dtype (1-D tensors are always f32).")
 @click.option("--sparse-threshold", type=float, default=None,
               help="Predictor logit threshold (default: the predictor folder's config.json, else 0.0).")
+@click.option("--vram-budget", type=float, default=None,
+              help="GiB of GPU memory: also write <outfile>.generated.gpuidx placing the hottest neurons.")
+@click.option("--activation", "activation_dir", type=click.Path(file_okay=False), default=None,
+              help="Activation folder for the placement (default: MODEL_DIR/activation).")
 @cli_errors
-def main(model_dir, pred_dir, outfile, outtype, sparse_threshold):
+def main(model_dir, pred_dir, outfile, outtype, sparse_threshold, vram_budget, activation_dir):
     """Write MODEL_DIR as a PowerInfer GGUF with the predictors in PRED_DIR, or a dense GGUF without."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     out = convert(model_dir, outfile, pred_dir, outtype, sparse_threshold)
     kind = "PowerInfer GGUF (PWRI, sparse)" if pred_dir else "dense GGUF"
     click.echo(f"wrote {out} ({kind}, {out.stat().st_size / 1e6:.2f} MB)")
+    if vram_budget is not None:
+        plan = ensure_gpu_index(out, vram_budget, activation_dir or Path(model_dir) / "activation", reset=True)
+        if plan is not None:
+            click.echo(f"wrote {plan.path}: {plan.summary}")
 
 
 if __name__ == "__main__":

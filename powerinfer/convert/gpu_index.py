@@ -1,0 +1,119 @@
+"""Build or reuse a model's GPU index (``<model>.generated.gpuidx``) for a VRAM budget.
+
+The budget covers everything the GPU holds. As in upstream PowerInfer, the dense
+tensors go first: every tensor except the token embedding (which stays on the CPU)
+and the FFN rows, i.e. attention, norms, the output matrix and the predictors, plus
+an f16 KV cache for the context. What is left is the FFN budget, filled with the
+hottest neurons by :func:`powerinfer.convert.placement.place_neurons` using the
+honest per-neuron cost (the bytes of its gate/up/down rows, no fudge factors).
+
+An index is reused only if it was built for this exact model file (identity of
+its header), this layer count and ``n_ff``, and this budget; otherwise it is
+rebuilt (upstream kept a stale index after a budget change).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import PowerInferError
+from ..formats.activation import load_activation_dir
+from ..formats.gguf_file import GGUFFile, open_gguf
+from ..formats.gpuidx import default_index_path, model_identity, read_gpu_index, write_gpu_index
+from .placement import neuron_bytes, place_neurons
+
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+_FFN_ROWS = (".ffn_gate.weight", ".ffn_up.weight", ".ffn_down_t.weight", ".ffn_down.weight")
+_TYPE_NAMES = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q4_0"}
+
+
+@dataclass
+class GpuPlan:
+    """Per layer, the bool mask ``[n_ff]`` of neurons on the GPU, and how it came about."""
+
+    gpu: list[np.ndarray]
+    path: Path
+    reused: bool
+    ffn_budget: int  # bytes for FFN neurons
+    summary: str
+
+    @property
+    def share(self) -> float:
+        return float(sum(int(m.sum()) for m in self.gpu)) / max(1, sum(m.size for m in self.gpu))
+
+
+def dense_vram_bytes(g: GGUFFile, n_ctx: int) -> int:
+    """Bytes the GPU needs before any FFN neuron: non-FFN tensors (not token_embd) + f16 KV cache."""
+    tensors = sum(int(t.n_bytes) for t in g.reader.tensors
+                  if t.name != "token_embd.weight" and not t.name.endswith(_FFN_ROWS))
+    arch = g.arch
+    n_layer = int(g.require(f"{arch}.block_count"))
+    n_embd = int(g.require(f"{arch}.embedding_length"))
+    n_head = int(g.require(f"{arch}.attention.head_count"))
+    n_head_kv = int(g.get(f"{arch}.attention.head_count_kv", n_head))
+    kv = 2 * n_layer * n_ctx * n_head_kv * (n_embd // n_head) * 2
+    return tensors + kv
+
+
+def ffn_row_type(g: GGUFFile) -> str:
+    t = g.tensors.get("blk.0.ffn_up.weight")
+    if t is None:
+        raise PowerInferError(f"{g.path}: no blk.0.ffn_up.weight, cannot size FFN neurons")
+    name = _TYPE_NAMES.get(t.tensor_type.name)
+    if name is None:
+        raise PowerInferError(f"{g.path}: FFN tensors of type {t.tensor_type.name} cannot be placed")
+    return name
+
+
+def ensure_gpu_index(model_path: str | Path, vram_budget_gib: float, activation_dir: str | Path | None = None,
+                     n_ctx: int | None = None, reset: bool = False, chunk: int = 64,
+                     min_share: float = 0.0) -> GpuPlan | None:
+    """The GPU neuron masks for ``model_path`` under ``vram_budget_gib`` GiB.
+
+    Reuses ``<model>.generated.gpuidx`` when it matches (model, n_layer, n_ff,
+    budget) unless ``reset``; otherwise solves from ``activation_dir`` (default:
+    ``activation/`` beside the model file) and writes the index atomically.
+    Returns None, with a warning, when there is no activation folder (the FFN
+    then runs on the CPU). Raises PowerInferError for a negative budget or one
+    too small for the dense tensors and KV cache.
+    """
+    model_path = Path(model_path)
+    if vram_budget_gib < 0:
+        raise PowerInferError(f"--vram-budget {vram_budget_gib}: must be >= 0 GiB")
+    g = open_gguf(model_path)
+    arch = g.arch
+    n_layer = int(g.require(f"{arch}.block_count"))
+    n_ff = int(g.require(f"{arch}.feed_forward_length"))
+    n_embd = int(g.require(f"{arch}.embedding_length"))
+    n_ctx = int(n_ctx or g.get(f"{arch}.context_length", 2048))
+    budget = int(vram_budget_gib * GIB)
+    dense = dense_vram_bytes(g, n_ctx)
+    if budget < dense:
+        raise PowerInferError(
+            f"--vram-budget {vram_budget_gib} GiB cannot be met for {model_path}: its dense tensors and a "
+            f"{n_ctx}-token KV cache alone need {dense / GIB:.3f} GiB")
+    ffn_budget = budget - dense
+    index_path = default_index_path(model_path)
+    mid = model_identity(g)
+    if index_path.exists() and not reset:
+        try:
+            ix = read_gpu_index(index_path, n_layer=n_layer, n_ff=n_ff, model_id=mid, vram_capacity=ffn_budget)
+            return GpuPlan(ix.gpu, index_path, True, ffn_budget, f"reused {index_path}")
+        except PowerInferError as e:
+            log.warning("rebuilding the GPU index: %s", e)
+    act_dir = Path(activation_dir) if activation_dir is not None else model_path.parent / "activation"
+    if not act_dir.is_dir():
+        log.warning("%s: no activation folder, so no neuron placement: the FFN runs on the CPU "
+                    "(profile the model with pi-profile, or pass --activation)", act_dir)
+        return None
+    counts = load_activation_dir(act_dir, n_layer=n_layer, n_ff=n_ff)
+    gated = "blk.0.ffn_gate.weight" in g.tensors
+    p = place_neurons(counts, ffn_budget, neuron_bytes(n_embd, ffn_row_type(g), gated),
+                      chunk=chunk, min_share=min_share)
+    write_gpu_index(index_path, p, ffn_budget, model_id=mid)
+    return GpuPlan(p.gpu, index_path, False, ffn_budget, p.summary())
