@@ -1,9 +1,13 @@
 """Load Hugging Face checkpoints from local folders, safely and offline.
 
 Never passes ``trust_remote_code``: families whose published repos ship custom
-modeling code get classes of ours registered with transformers instead. A hub
-name works only when it is already cached or the network is up; local folders
-are the normal input.
+modeling code (ProSparse ``sparsellama``, Bamboo ``bamboo``) get classes of ours
+(:mod:`powerinfer.models`), registered with transformers when this module is
+imported. Legacy Falcon configs (``RWForCausalLM``, ``model_type`` ``RefinedWeb``)
+are rewritten to transformers' ``FalconConfig`` by the Falcon family
+(:func:`powerinfer.families.falcon.adapt_falcon_config`) and loaded with it. A hub
+name works only when it is already cached or the network is up; local folders are
+the normal input.
 """
 from __future__ import annotations
 
@@ -12,29 +16,58 @@ from typing import Any
 
 import torch
 
+from . import models
 from .errors import PowerInferError
-from .families import Activation, Family, activation_from_config, family_for_config, read_hf_config
+from .families import (Activation, Family, activation_from_config, adapt_config, family_for_config,
+                       read_hf_config)
+
+models.register()
 
 
 def resolve_model(model_dir: str | Path) -> tuple[Family, dict[str, Any], Activation]:
-    """Family, raw config dict and FFN activation of a HF model folder (errors name the path)."""
-    cfg = read_hf_config(model_dir)
-    fam = family_for_config(cfg, Path(model_dir) / "config.json")
+    """Family (the variant this config needs), adapted config dict and FFN activation of a HF folder.
+
+    The config dict is in the keys of the family's transformers config class (legacy
+    Falcon keys mapped), so :func:`powerinfer.families.hf_dims` reads it directly.
+    Raises PowerInferError naming ``config.json`` for unsupported architectures,
+    layouts or activations.
+    """
+    src = Path(model_dir) / "config.json"
+    raw = read_hf_config(model_dir)
+    fam = family_for_config(raw, src)
+    cfg = adapt_config(fam, raw, src)
     try:
-        act = activation_from_config(cfg)
+        act = activation_from_config(cfg, fam)
     except PowerInferError as e:
-        raise PowerInferError(f"{Path(model_dir) / 'config.json'}: {e}") from None
-    return fam, cfg, act
+        raise PowerInferError(f"{src}: {e}") from None
+    return fam.for_config(cfg), cfg, act
+
+
+def _adapted_config(model_dir: str | Path):
+    """A transformers config built from the adapted dict when it differs from ``config.json`` (legacy
+    Falcon), else None (transformers reads the folder itself)."""
+    from transformers import AutoConfig
+
+    _, cfg, _ = resolve_model(model_dir)
+    if cfg == read_hf_config(model_dir):
+        return None
+    return AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
 
 
 def load_hf_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The transformers ``*ForCausalLM`` for a local folder, in eval mode, on CPU."""
-    from transformers import AutoModelForCausalLM
+    """The transformers ``*ForCausalLM`` for a local folder, in eval mode, on CPU.
 
-    resolve_model(model_dir)  # fail early with our message for unsupported configs
+    Raises PowerInferError for unsupported configs (before touching the weights) or
+    unreadable weights.
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    kwargs: dict[str, Any] = dict(dtype=dtype, local_files_only=True, trust_remote_code=False)
+    config = _adapted_config(model_dir)
+    if config is not None:  # and not the generation defaults from the legacy config.json either
+        kwargs.update(config=config, generation_config=GenerationConfig.from_model_config(config))
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=dtype, local_files_only=True, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
     except (OSError, ValueError) as e:
         raise PowerInferError(f"{model_dir}: could not load the model weights ({e})") from None
     return model.eval()
@@ -44,7 +77,12 @@ def load_hf_tokenizer(model_dir: str | Path):
     """The tokenizer stored with a model folder (SentencePiece or tokenizer.json)."""
     from transformers import AutoTokenizer
 
+    try:  # a legacy Falcon config.json would otherwise be read (with a warning) by AutoTokenizer
+        config = _adapted_config(model_dir)
+    except PowerInferError:  # no or unsupported config.json: the tokenizer files alone decide
+        config = None
+    kwargs: dict[str, Any] = {"config": config} if config is not None else {}
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, trust_remote_code=False)
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, trust_remote_code=False, **kwargs)
     except (OSError, ValueError) as e:
         raise PowerInferError(f"{model_dir}: could not load its tokenizer ({e})") from None

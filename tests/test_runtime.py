@@ -103,4 +103,4 @@ def test_dense_flag_on_pwri_file_matches_dense_file(relu_hf, relu_sparse_files):
     m = Transformer(open_gguf(sparse_path), dense=True)
     b = _teacher_forced(m, ids, 10)
     assert m.active_share() is None
-    assert (a - b).abs().max().item() <= 1e-5
+    assert (a - b).abs().max().item() <= 1e-4

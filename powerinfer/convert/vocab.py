@@ -4,10 +4,19 @@ SentencePiece models (``tokenizer.model``) become ``tokenizer.ggml.model = llama
 with tokens, scores and token types; GPT-2-style BPE ``tokenizer.json`` files
 become ``gpt2`` with tokens, types and merges. Special token ids and the
 add-BOS/EOS flags come from the model folder (``gguf.SpecialVocab``).
+
+For BPE vocabularies we also write ``tokenizer.ggml.pre``, the pre-tokenizer name
+today's llama.cpp uses (``falcon``: punctuation runs, GPT-2 byte-level regex, digit
+runs split in threes; ``gpt-2``: the byte-level regex alone), read from the folder's
+``tokenizer.json``. Upstream PowerInfer ignores the key and splits every BPE text
+with the GPT-2 regex; ``pi-run``'s tokenizer applies the named one, so it matches the
+model's own tokenizer (see ``tests/test_tokenizers.py`` for the cases that differ).
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import gguf
 
@@ -28,6 +37,32 @@ def load_vocab(model_dir: str | Path) -> gguf.vocab.Vocab:
         except Exception as e:  # noqa: BLE001
             raise PowerInferError(f"{model_dir}: tokenizer is not a GPT-2 style BPE nor SentencePiece ({e})") from None
     raise PowerInferError(f"{model_dir}: no tokenizer.model or tokenizer.json found")
+
+
+def _is_falcon_pre(pre: dict[str, Any]) -> bool:
+    steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else None
+    kinds = [p.get("type") for p in steps or []]
+    return kinds == ["Punctuation", "ByteLevel", "Digits", "Split"] and \
+        steps[3].get("pattern", {}).get("Regex") == "[0-9][0-9][0-9]"
+
+
+def bpe_pre_tokenizer(model_dir: str | Path) -> str:
+    """llama.cpp's name for the folder's BPE pre-tokenizer: ``falcon`` or ``gpt-2``.
+
+    Reads ``tokenizer.json``'s ``pre_tokenizer``; a folder with only ``vocab.json`` +
+    ``merges.txt`` (GPT-2, OPT) is ``gpt-2``. Raises PowerInferError for any other
+    pre-tokenizer, which ``pi-run`` could not reproduce.
+    """
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return "gpt-2"
+    pre = json.loads(path.read_text(encoding="utf-8")).get("pre_tokenizer") or {}
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+        return "gpt-2"
+    if _is_falcon_pre(pre):
+        return "falcon"
+    raise PowerInferError(f"{path}: BPE pre-tokenizer {pre.get('type')!r} is not one we can reproduce "
+                          "(known: GPT-2 byte-level, Falcon)")
 
 
 def add_vocab(writer: gguf.GGUFWriter, model_dir: str | Path, n_vocab: int) -> int:
@@ -54,6 +89,8 @@ def add_vocab(writer: gguf.GGUFWriter, model_dir: str | Path, n_vocab: int) -> i
     if vocab.tokenizer_model == "llama":
         writer.add_token_scores(scores)
     writer.add_token_types(types)
+    if vocab.tokenizer_model == "gpt2":
+        writer.add_string("tokenizer.ggml.pre", bpe_pre_tokenizer(model_dir))
     special = gguf.SpecialVocab(Path(model_dir), load_merges=vocab.tokenizer_model == "gpt2", n_vocab=n_vocab)
     if vocab.tokenizer_model == "llama" and "unk" not in special.special_token_ids:
         special.special_token_ids["unk"] = vocab.sentencepiece_tokenizer.unk_id()

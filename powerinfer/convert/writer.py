@@ -12,10 +12,19 @@ Tensors are streamed: tensor infos are written first from shapes alone, then
 each tensor is loaded, transformed and written, so memory stays bounded. The
 output goes to a temporary file that is renamed only when complete.
 
+Per architecture the tensor set is exactly what upstream's loader creates
+(FORMATS.md section 4; :meth:`powerinfer.families.Family.expected_gguf_tensors`):
+``llama``/``bamboo`` 3 + 11 per layer, ``falcon`` fused ``attn_qkv`` regrouped in
+the "jploski" order with ``falcon.tensor_data_layout = "jploski"``, ``opt`` with
+every bias (``ffn_down_t.bias`` in PowerInfer files), ``position_embd`` and no
+``output`` (tied). Anything else in the checkpoint that the family cannot map stops
+the conversion before a byte is written.
+
 Beyond upstream's keys we write ``powerinfer.activation`` (and
 ``powerinfer.activation_threshold`` for FATReLU) so no reader guesses the FFN
-activation from the architecture name, and the model's real context length
-(upstream's converter hard-codes 2048).
+activation from the architecture name, the model's real context length
+(upstream's converter hard-codes 2048), and the family's extra keys (Bamboo's
+``bamboo.attention.sliding_window``).
 """
 from __future__ import annotations
 
@@ -29,7 +38,7 @@ import numpy as np
 import torch
 
 from ..errors import PowerInferError
-from ..families import Activation, Family, hf_dims
+from ..families import Activation, Family, hf_dims, rope_theta
 from ..formats._atomic import atomic_path
 from ..formats.gguf_file import PWRI_BYTES, set_magic
 from ..formats.predictor import LayerPredictor, load_predictor_dir, read_predictor_config
@@ -39,8 +48,9 @@ from .vocab import add_vocab
 
 log = logging.getLogger(__name__)
 
-# Tensors in HF checkpoints that carry no weights of their own.
-_SKIP_SUFFIXES = ("rotary_emb.inv_freq", "attn.masked_bias", "attn.bias")
+# Buffers in HF checkpoints that carry no weights of their own (whole dotted components:
+# Falcon's "ln_attn.bias" is a weight).
+_SKIP_SUFFIXES = (".rotary_emb.inv_freq", ".attn.masked_bias", ".attn.bias")
 
 OUTTYPES = {"f16": (np.float16, gguf.GGMLQuantizationType.F16), "f32": (np.float32, gguf.GGMLQuantizationType.F32)}
 
@@ -53,6 +63,19 @@ def permute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """
     return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
             .swapaxes(1, 2).reshape(w.shape))
+
+
+def falcon_qkv_jploski(w: torch.Tensor, n_head: int, n_head_kv: int) -> torch.Tensor:
+    """Falcon's fused QKV rows, HF order -> upstream's "jploski" order.
+
+    HF (``new_decoder_architecture``, and the older layouts as its special cases)
+    groups the ``(n_head + 2 n_head_kv) * head_dim`` rows per kv head as
+    ``[q_1 .. q_g, k, v]`` with ``g = n_head / n_head_kv``; GGML wants all Q heads,
+    then all K heads, then all V heads. ``w``: ``[rows, n_embd]``.
+    """
+    g = w.reshape(n_head_kv, n_head // n_head_kv + 2, -1, *w.shape[1:])
+    q, k, v = g[:, :-2], g[:, -2], g[:, -1]
+    return torch.cat([q.reshape(-1, *w.shape[1:]), k.reshape(-1, *w.shape[1:]), v.reshape(-1, *w.shape[1:])])
 
 
 @dataclass
@@ -70,7 +93,8 @@ def _plan(family: Family, cfg: dict, dims: dict, tensors: HFTensors, sparse: boo
         None: lambda t: t,
         "permute_q": lambda t: permute_rope(t, n_head),
         "permute_k": lambda t: permute_rope(t, n_head_kv),
-        "down": (lambda t: t.T.contiguous()) if sparse else (lambda t: t),
+        "down": (lambda t: t.T.contiguous() if t.dim() == 2 else t) if sparse else (lambda t: t),
+        "qkv_jploski": lambda t: falcon_qkv_jploski(t, n_head, n_head_kv),
     }
     by_name: dict[str, PlannedTensor] = {}
     for name in tensors.names():
@@ -81,10 +105,14 @@ def _plan(family: Family, cfg: dict, dims: dict, tensors: HFTensors, sparse: boo
             raise PowerInferError(f"{src}: tensor {name!r} has no GGUF name in the {family.name} family; "
                                   "refusing to write a file that would miss it")
         gname, tr = hit
+        if gname is None:  # a tied copy upstream does not store
+            continue
         shape = tensors.shape(name)
         if tr == "down" and sparse:
-            gname = gname.replace("ffn_down", "ffn_down_t")
+            gname = gname.replace(".ffn_down.", ".ffn_down_t.")
             shape = shape[::-1]
+        if gname in by_name:
+            raise PowerInferError(f"{src}: two checkpoint tensors map to {gname} (the second is {name!r})")
         fn = transforms[tr]
         by_name[gname] = PlannedTensor(gname, shape, (lambda n=name, f=fn: f(tensors.get(n))), len(shape) == 2)
     # Tied embeddings: the upstream loader wants an explicit output.weight.
@@ -122,10 +150,25 @@ def _add_hparams(w: gguf.GGUFWriter, family: Family, cfg: dict, dims: dict, act:
         w.add_layer_norm_eps(float(cfg.get("layer_norm_epsilon", cfg.get("layer_norm_eps", 1e-5))))
     if family.rope is not None:
         w.add_rope_dimension_count(dims["n_embd"] // dims["n_head"])
-        w.add_rope_freq_base(float(cfg.get("rope_theta") or 10000.0))
+        w.add_rope_freq_base(rope_theta(cfg))
+    for key, value in (family.gguf_kv(cfg) if family.gguf_kv is not None else {}).items():
+        _add_kv(w, key, value)
     w.add_string("powerinfer.activation", act.kind)
     if act.kind == "fatrelu":
         w.add_float32("powerinfer.activation_threshold", act.threshold)
+
+
+def _add_kv(w: gguf.GGUFWriter, key: str, value: object) -> None:
+    if isinstance(value, str):
+        w.add_string(key, value)
+    elif isinstance(value, bool):
+        w.add_bool(key, value)
+    elif isinstance(value, int):
+        w.add_uint32(key, value)
+    elif isinstance(value, float):
+        w.add_float32(key, value)
+    else:
+        raise TypeError(f"GGUF key {key}: unsupported value {value!r}")
 
 
 def _model_name(model_dir: Path) -> str:

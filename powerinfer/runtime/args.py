@@ -1,4 +1,11 @@
-"""Model hyper-parameters read from a GGUF's metadata: the one place that knows the dims."""
+"""Model hyper-parameters read from a GGUF's metadata: the one place that knows the dims.
+
+The family (and with it norm kind, RoPE mode, block layout) follows from
+``general.architecture``; the FFN activation from our key ``powerinfer.activation``
+(+ ``powerinfer.activation_threshold`` for ProSparse's FATReLU, which upstream
+PowerInfer ignores); files without it (upstream's) are ReLU when sparse or not
+``llama``.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,6 +36,7 @@ class ModelArgs:
     n_rot: int  # {arch}.rope.dimension_count
     sparse: bool  # PWRI file: predictors present
     sparse_threshold: float  # powerinfer.sparse_threshold
+    sliding_window: int | None = None  # {arch}.attention.sliding_window (Bamboo/Mistral); None = whole context
 
     @property
     def head_dim(self) -> int:
@@ -59,11 +67,18 @@ class ModelArgs:
         toks = g.get("tokenizer.ggml.tokens")
         n_vocab = len(g.reader.get_field("tokenizer.ggml.tokens").data) if toks is not None else 0
         eps = g.get(f"{arch}.attention.layer_norm_rms_epsilon", g.get(f"{arch}.attention.layer_norm_epsilon", 1e-5))
+        window = g.get(f"{arch}.attention.sliding_window")
+        if window is not None and (not isinstance(window, int) or window <= 0):
+            raise PowerInferError(f"{g.path}: {arch}.attention.sliding_window = {window!r} is out of range")
+        n_rot = int(g.get(f"{arch}.rope.dimension_count", n_embd // n_head))
+        if fam.rope is not None and n_rot != n_embd // n_head:
+            raise PowerInferError(f"{g.path}: {arch}.rope.dimension_count {n_rot} != head dim {n_embd // n_head} "
+                                  "(partial rotary embeddings are not supported)")
         return cls(
             family=fam, activation=act, n_vocab=n_vocab,
             n_embd=n_embd, n_ff=dim("feed_forward_length"), n_layer=dim("block_count", hi=4096),
             n_head=n_head, n_head_kv=n_head_kv, n_ctx=dim("context_length", 2048, hi=MAX_CTX),
             norm_eps=float(eps), rope_base=float(g.get(f"{arch}.rope.freq_base", 10000.0)),
-            n_rot=int(g.get(f"{arch}.rope.dimension_count", n_embd // n_head)),
-            sparse=g.sparse, sparse_threshold=float(g.get("powerinfer.sparse_threshold", 0.0)),
+            n_rot=n_rot, sparse=g.sparse, sparse_threshold=float(g.get("powerinfer.sparse_threshold", 0.0)),
+            sliding_window=window,
         )

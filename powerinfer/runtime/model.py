@@ -1,9 +1,21 @@
 """The decoder: weights from a GGUF, a preallocated KV cache, dense or sparse FFNs.
 
 Batch 1, one sequence, positions indexed into a cache allocated once
-(gpt-fast style). Llama-family blocks (RMSNorm, interleaved "normal" GGML RoPE,
-GQA attention) read the Q/K rows in GGML's permuted layout directly, so no
-un-permuting is needed.
+(gpt-fast style). One block class covers every family; the family record says
+which pieces it has (upstream PowerInfer's ``build_llama_variants``,
+``build_falcon`` and ``build_opt`` graphs):
+
+* norms: RMSNorm without bias (Llama, Bamboo) or LayerNorm with bias (Falcon, OPT);
+* positions: GGML "normal" RoPE on Q/K rows stored permuted (Llama, Bamboo, so no
+  un-permuting is needed), NeoX rotate-half RoPE (Falcon), or learned absolute
+  positions added to the embedding (OPT, row ``p + 2`` for position ``p``);
+* attention: fused QKV (Falcon's ``attn_qkv`` in the jploski order: all Q heads, all
+  K, all V) or separate Q/K/V concatenated at load, optional biases (OPT), GQA,
+  optional sliding window (Bamboo's Mistral body: query ``p`` sees keys ``> p - W``);
+* layout: sequential ``x += attn(norm1 x); x += ffn(norm2 x)`` or parallel (Falcon)
+  ``x += attn(ln_attn x) + ffn(ln_mlp x)``; the predictor reads the residual before
+  the FFN norm (sequential) or the layer input (parallel);
+* output: ``output.weight``, or the token embedding when tied (OPT).
 
 Shapes: ``T`` tokens in this call, ``P`` the position of the first of them,
 ``D = n_embd``, ``F = n_ff``, ``Hq/Hkv`` heads, ``d`` head dim.
@@ -20,15 +32,33 @@ from ..errors import PowerInferError
 from ..formats.gguf_file import GGUFFile
 from .args import ModelArgs
 from .ffn import FFN
-from .weights import load_tensor
+from .kernels import linear
+from .weights import load_concat, load_tensor, tensor_shape
+
+
+@dataclass
+class Norm:
+    """RMSNorm (``b`` None, ``rms`` True) or LayerNorm with bias over the last dim ``D``."""
+
+    w: torch.Tensor  # [D]
+    b: torch.Tensor | None  # [D]
+    eps: float
+    rms: bool
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rms:
+            return rms_norm(x, self.w, self.eps)
+        return F.layer_norm(x, (x.shape[-1],), self.w, self.b, self.eps)
 
 
 @dataclass
 class Layer:
-    attn_norm: torch.Tensor  # [D]
-    wqkv: torch.Tensor  # [(Hq + 2 Hkv) d, D]
+    attn_norm: Norm  # feeds attention (Falcon-40B: attn_norm_2 = ln_attn)
+    ffn_norm: Norm  # feeds the FFN (Falcon: attn_norm = ln_mlp; the same object when one norm)
+    wqkv: torch.Tensor  # [(Hq + 2 Hkv) d, D]: Q rows, then K, then V
+    bqkv: torch.Tensor | None  # [(Hq + 2 Hkv) d]
     wo: torch.Tensor  # [D, Hq d]
-    ffn_norm: torch.Tensor  # [D]
+    bo: torch.Tensor | None  # [D]
     ffn: FFN
 
 
@@ -41,14 +71,14 @@ class KVCache:
 
 
 def rope_tables(n_ctx: int, n_rot: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin ``[n_ctx, n_rot/2]`` in fp32 for GGML normal-mode RoPE."""
+    """cos, sin ``[n_ctx, n_rot/2]`` in fp32 (frequency ``i`` = ``base^(-2i/n_rot)``)."""
     inv = 1.0 / (base ** (torch.arange(0, n_rot, 2, dtype=torch.float32) / n_rot))
     ang = torch.outer(torch.arange(n_ctx, dtype=torch.float32), inv)
     return ang.cos(), ang.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs ``(x[2i], x[2i+1])``. ``x``: ``[T, H, d]``; cos/sin ``[T, d/2]``."""
+    """GGML normal mode: rotate adjacent pairs ``(x[2i], x[2i+1])``. ``x``: ``[T, H, d]``; cos/sin ``[T, d/2]``."""
     xf = x.float().unflatten(-1, (-1, 2))
     x0, x1 = xf[..., 0], xf[..., 1]
     c, s = cos[:, None, :], sin[:, None, :]
@@ -56,25 +86,80 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.to(x.dtype)
 
 
+def apply_rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GGML NeoX mode (HF rotate-half): rotate ``(x[i], x[i + d/2])``. Shapes as :func:`apply_rope`."""
+    xf = x.float()
+    x0, x1 = xf.chunk(2, dim=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x0 * c - x1 * s, x1 * c + x0 * s), dim=-1).to(x.dtype)
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
 
 
-def build_ffn(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype, dense: bool) -> FFN:
-    """Layer ``i``'s FFN from GGUF ``g``: PWRI files give ``ffn_down_t`` and the predictor."""
-    p = f"blk.{i}."
-    gate = load_tensor(g, p + "ffn_gate.weight", dtype) if a.family.gated else None
-    up = load_tensor(g, p + "ffn_up.weight", dtype)
-    if a.sparse:
-        down_t = load_tensor(g, p + "ffn_down_t.weight", dtype)
+def _maybe(g: GGUFFile, name: str, dtype: torch.dtype) -> torch.Tensor | None:
+    return load_tensor(g, name, dtype) if name in g.tensors else None
+
+
+def load_norm(g: GGUFFile, prefix: str, a: ModelArgs, dtype: torch.dtype) -> Norm:
+    """``{prefix}.weight`` (+ ``.bias`` for LayerNorm families), checked to be ``[D]``."""
+    w = load_tensor(g, prefix + ".weight", dtype)
+    rms = a.family.norm == "rms"
+    b = None if rms else load_tensor(g, prefix + ".bias", dtype)
+    for t in (w, b):
+        if t is not None and tuple(t.shape) != (a.n_embd,):
+            raise PowerInferError(f"{g.path}: {prefix} has shape {tuple(t.shape)}, expected [n_embd={a.n_embd}]")
+    return Norm(w, b, a.norm_eps, rms)
+
+
+def load_attention(g: GGUFFile, p: str, a: ModelArgs, dtype: torch.dtype):
+    """``(wqkv, bqkv, wo, bo)`` of layer prefix ``p``: fused ``attn_qkv`` or ``attn_q/k/v``, biases if stored."""
+    hd = a.head_dim
+    rows = (a.n_head + 2 * a.n_head_kv) * hd
+    if p + "attn_qkv.weight" in g.tensors:
+        wqkv, bqkv = load_tensor(g, p + "attn_qkv.weight", dtype), _maybe(g, p + "attn_qkv.bias", dtype)
     else:
-        down_t = load_tensor(g, p + "ffn_down.weight", dtype).T  # [F, D] view of [D, F]
-    ffn = FFN(a.family, a.activation, gate, up, down_t, threshold=a.sparse_threshold)
+        names = [f"{p}attn_{n}.weight" for n in "qkv"]
+        want = [(a.n_head * hd, a.n_embd), (a.n_head_kv * hd, a.n_embd), (a.n_head_kv * hd, a.n_embd)]
+        if [tensor_shape(g, n) for n in names] != want:
+            raise PowerInferError(f"{g.path}: {p}attn_q/k/v shapes do not match the metadata")
+        wqkv = load_concat(g, names, dtype)  # filled in place: no per-tensor copies to concatenate
+        bs = [_maybe(g, f"{p}attn_{n}.bias", dtype) for n in "qkv"]
+        bqkv = torch.cat(bs) if all(b is not None for b in bs) else None
+    wo, bo = load_tensor(g, p + "attn_output.weight", dtype), _maybe(g, p + "attn_output.bias", dtype)
+    if tuple(wqkv.shape) != (rows, a.n_embd) or (bqkv is not None and tuple(bqkv.shape) != (rows,)) \
+            or tuple(wo.shape) != (a.n_embd, a.n_head * hd):
+        raise PowerInferError(f"{g.path}: {p} attention shapes do not match the metadata")
+    return wqkv, bqkv, wo, bo
+
+
+def build_ffn(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype, dense: bool) -> FFN:
+    """Layer ``i``'s FFN from GGUF ``g``: PWRI files give ``ffn_down_t`` and the predictor.
+
+    Biases (OPT: ``ffn_up.bias`` ``[F]``, ``ffn_down(_t).bias`` ``[D]``) are loaded when
+    the family has them. Raises PowerInferError for missing tensors or wrong shapes.
+    """
+    p = f"blk.{i}."
+    fam = a.family
+    down = "ffn_down_t" if a.sparse else "ffn_down"
+    gate = load_tensor(g, p + "ffn_gate.weight", dtype) if fam.gated else None
+    up = load_tensor(g, p + "ffn_up.weight", dtype)
+    down_t = load_tensor(g, f"{p}{down}.weight", dtype)
+    if not a.sparse:
+        down_t = down_t.T  # [F, D] view of ffn_down [D, F] (the FFN runs F.linear on it)
+    ffn = FFN(fam, a.activation, gate, up, down_t, threshold=a.sparse_threshold)
     for w, name in ((gate, "ffn_gate"), (up, "ffn_up"), (down_t, "ffn_down_t")):
         if w is not None and tuple(w.shape) != (a.n_ff, a.n_embd):
             raise PowerInferError(f"{g.path}: blk.{i}.{name} has shape {tuple(w.shape)}, "
                                   f"expected [n_ff={a.n_ff}, n_embd={a.n_embd}]")
+    if fam.ffn_bias:
+        ffn.gate_b = load_tensor(g, p + "ffn_gate.bias", dtype) if fam.gated else None
+        ffn.up_b = load_tensor(g, p + "ffn_up.bias", dtype)
+        ffn.down_b = load_tensor(g, f"{p}{down}.bias", dtype)
+        if ffn.up_b.shape != (a.n_ff,) or ffn.down_b.shape != (a.n_embd,):
+            raise PowerInferError(f"{g.path}: blk.{i} FFN bias shapes do not match n_ff/n_embd")
     if a.sparse and not dense:
         ffn.fc1 = load_tensor(g, p + "fc1.weight", dtype)
         ffn.fc2 = load_tensor(g, p + "fc2.weight", dtype)
@@ -82,6 +167,18 @@ def build_ffn(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype, dense: bool
             raise PowerInferError(f"{g.path}: blk.{i} predictor shapes {tuple(ffn.fc1.shape)}, "
                                   f"{tuple(ffn.fc2.shape)} do not match the model")
     return ffn
+
+
+def build_layer(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype, dense: bool) -> Layer:
+    """Layer ``i``: its norms by the family's layout, attention and FFN."""
+    p = f"blk.{i}."
+    if a.family.parallel_attn:  # Falcon: attn_norm feeds the FFN, attn_norm_2 (if any) the attention
+        ffn_norm = load_norm(g, p + "attn_norm", a, dtype)
+        attn_norm = load_norm(g, p + "attn_norm_2", a, dtype) if p + "attn_norm_2.weight" in g.tensors else ffn_norm
+    else:
+        attn_norm, ffn_norm = load_norm(g, p + "attn_norm", a, dtype), load_norm(g, p + "ffn_norm", a, dtype)
+    wqkv, bqkv, wo, bo = load_attention(g, p, a, dtype)
+    return Layer(attn_norm, ffn_norm, wqkv, bqkv, wo, bo, build_ffn(g, i, a, dtype, dense))
 
 
 class Transformer:
@@ -93,31 +190,27 @@ class Transformer:
     def __init__(self, g: GGUFFile, dtype: torch.dtype = torch.float32, dense: bool = False,
                  n_ctx: int | None = None):
         self.args = a = ModelArgs.from_gguf(g)
-        if a.family.norm != "rms" or a.family.rope != "normal":
-            raise PowerInferError(f"{g.path}: the runtime has no {a.family.name} decoder block yet")
+        fam = a.family
         self.dtype = dtype
         self.dense = dense or not a.sparse
-        self.n_ctx = min(n_ctx or a.n_ctx, a.n_ctx)
         self.tok_embd = load_tensor(g, "token_embd.weight", dtype)  # [V, D]
-        self.output_norm = load_tensor(g, "output_norm.weight", dtype)
-        self.output = load_tensor(g, "output.weight", dtype)  # [V, D]
         if self.tok_embd.shape != (a.n_vocab or self.tok_embd.shape[0], a.n_embd):
             raise PowerInferError(f"{g.path}: token_embd shape {tuple(self.tok_embd.shape)} does not match n_embd {a.n_embd}")
-        self.layers: list[Layer] = []
-        for i in range(a.n_layer):
-            p = f"blk.{i}."
-            wq, wk, wv = (load_tensor(g, p + n, dtype) for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight"))
-            hd = a.head_dim
-            want = [(a.n_head * hd, a.n_embd), (a.n_head_kv * hd, a.n_embd), (a.n_head_kv * hd, a.n_embd)]
-            if [tuple(w.shape) for w in (wq, wk, wv)] != want:
-                raise PowerInferError(f"{g.path}: layer {i} attention shapes do not match the metadata")
-            self.layers.append(Layer(
-                attn_norm=load_tensor(g, p + "attn_norm.weight", dtype),
-                wqkv=torch.cat([wq, wk, wv], 0),
-                wo=load_tensor(g, p + "attn_output.weight", dtype),
-                ffn_norm=load_tensor(g, p + "ffn_norm.weight", dtype),
-                ffn=build_ffn(g, i, a, dtype, self.dense),
-            ))
+        self.output_norm = load_norm(g, "output_norm", a, dtype)
+        out = _maybe(g, "output.weight", dtype)
+        self.output = self.tok_embd if out is None else out  # [V, D]; OPT ties it to the embedding
+        if self.output.shape != self.tok_embd.shape:
+            raise PowerInferError(f"{g.path}: output shape {tuple(self.output.shape)} does not match token_embd")
+        max_ctx = a.n_ctx
+        self.pos_embd = None
+        if fam.rope is None:  # learned positions: row p + offset holds position p
+            self.pos_embd = load_tensor(g, "position_embd.weight", dtype)  # [n_pos, D]
+            if self.pos_embd.shape[1] != a.n_embd:
+                raise PowerInferError(f"{g.path}: position_embd shape {tuple(self.pos_embd.shape)} does not match n_embd")
+            max_ctx = min(max_ctx, self.pos_embd.shape[0] - fam.learned_pos_offset)
+        self.n_ctx = min(n_ctx or max_ctx, max_ctx)
+        self.layers: list[Layer] = [build_layer(g, i, a, dtype, self.dense) for i in range(a.n_layer)]
+        self.rope = {"normal": apply_rope, "neox": apply_rope_neox, None: None}[fam.rope]
         self.cos, self.sin = rope_tables(self.n_ctx, a.n_rot, a.rope_base)
         self.cache = KVCache(a.n_layer, self.n_ctx, a.n_head_kv, a.head_dim, dtype)
         self.mask_fn: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
@@ -126,22 +219,33 @@ class Transformer:
     def attention(self, i: int, layer: Layer, x: torch.Tensor, pos: int) -> torch.Tensor:
         a = self.args
         T, hd = x.shape[0], a.head_dim
-        qkv = x @ layer.wqkv.T  # [T, (Hq + 2Hkv) d]
+        qkv = linear(x, layer.wqkv, layer.bqkv)  # [T, (Hq + 2Hkv) d]
         q, k, v = qkv.split([a.n_head * hd, a.n_head_kv * hd, a.n_head_kv * hd], dim=-1)
-        cos, sin = self.cos[pos:pos + T], self.sin[pos:pos + T]
-        q = apply_rope(q.view(T, a.n_head, hd), cos, sin)
-        k = apply_rope(k.view(T, a.n_head_kv, hd), cos, sin)
+        q, k = q.view(T, a.n_head, hd), k.view(T, a.n_head_kv, hd)
+        if self.rope is not None:
+            cos, sin = self.cos[pos:pos + T], self.sin[pos:pos + T]
+            q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         self.cache.k[i, pos:pos + T] = k
         self.cache.v[i, pos:pos + T] = v.view(T, a.n_head_kv, hd)
-        S = pos + T
-        kk = self.cache.k[i, :S].transpose(0, 1)  # [Hkv, S, d]
-        vv = self.cache.v[i, :S].transpose(0, 1)
+        S, W = pos + T, a.sliding_window
+        k0 = max(0, pos + 1 - W) if W else 0  # the earliest key the first query may see
+        kk = self.cache.k[i, k0:S].transpose(0, 1)  # [Hkv, S - k0, d]
+        vv = self.cache.v[i, k0:S].transpose(0, 1)
         mask = None
         if T > 1:
-            mask = torch.ones(T, S, dtype=torch.bool).tril(diagonal=pos)
+            qpos = torch.arange(pos, S)[:, None]
+            kpos = torch.arange(k0, S)[None, :]
+            mask = kpos <= qpos
+            if W:
+                mask &= kpos > qpos - W
         o = F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=mask,
                                            enable_gqa=a.n_head != a.n_head_kv)  # [Hq, T, d]
-        return o.transpose(0, 1).reshape(T, a.n_head * hd) @ layer.wo.T
+        return linear(o.transpose(0, 1).reshape(T, a.n_head * hd), layer.wo, layer.bo)
+
+    def _ffn(self, i: int, layer: Layer, h: torch.Tensor, xn: torch.Tensor) -> torch.Tensor:
+        """FFN of layer ``i``: ``h`` is the predictor input, ``xn`` the normed FFN input."""
+        mask = self.mask_fn(i, h, xn) if self.mask_fn is not None else None
+        return layer.ffn(h, xn, mask)
 
     def forward(self, tokens: torch.Tensor, pos: int, all_logits: bool = False) -> torch.Tensor:
         """Run ``tokens`` (LongTensor ``[T]``) at positions ``pos..pos+T-1``.
@@ -149,19 +253,25 @@ class Transformer:
         Returns logits ``[T, V]`` if ``all_logits`` else ``[V]`` for the last token,
         in float32. Raises PowerInferError when the context would overflow.
         """
-        a = self.args
         T = tokens.shape[0]
         if pos + T > self.n_ctx:
             raise PowerInferError(f"{pos + T} tokens exceed the context length {self.n_ctx}")
         x = self.tok_embd[tokens]  # [T, D]
+        if self.pos_embd is not None:
+            off = pos + self.args.family.learned_pos_offset
+            x = x + self.pos_embd[off:off + T]
+        parallel = self.args.family.parallel_attn
         for i, layer in enumerate(self.layers):
-            x = x + self.attention(i, layer, rms_norm(x, layer.attn_norm, a.norm_eps), pos)
-            xn = rms_norm(x, layer.ffn_norm, a.norm_eps)
-            mask = self.mask_fn(i, x, xn) if self.mask_fn is not None else None
-            x = x + layer.ffn(x, xn, mask)
+            if parallel:  # Falcon: both branches read the layer input x
+                xa = layer.attn_norm(x)
+                xn = xa if layer.ffn_norm is layer.attn_norm else layer.ffn_norm(x)
+                x = x + self.attention(i, layer, xa, pos) + self._ffn(i, layer, x, xn)
+            else:
+                x = x + self.attention(i, layer, layer.attn_norm(x), pos)
+                x = x + self._ffn(i, layer, x, layer.ffn_norm(x))
         if not all_logits:
             x = x[-1:]
-        logits = rms_norm(x, self.output_norm, a.norm_eps) @ self.output.T
+        logits = linear(self.output_norm(x), self.output)
         return logits.float() if all_logits else logits[0].float()
 
     def oracle_masks(self) -> None:

@@ -4,7 +4,13 @@
 SentencePiece model proto from the file's tokens, scores and token types and
 let the ``sentencepiece`` library tokenize, so the result is SentencePiece's own
 (the same as the model's original ``tokenizer.model``). ``gpt2`` (byte-level
-BPE with merges) uses the ``tokenizers`` library.
+BPE with merges) uses the ``tokenizers`` library with the pre-tokenizer named by
+``tokenizer.ggml.pre``: ``falcon`` (Falcon's ``tokenizer.json``: punctuation runs,
+the GPT-2 regex, digit runs split into groups of three) or ``gpt-2`` (the GPT-2
+regex alone). Files without the key (upstream's) get ``falcon`` when the
+architecture is ``falcon``, else ``gpt-2``. Upstream PowerInfer's C++ tokenizer
+applies the GPT-2 regex to every BPE vocabulary, so on Falcon it splits some
+texts differently from the model's own tokenizer; we follow the model's.
 """
 from __future__ import annotations
 
@@ -35,7 +41,8 @@ class GGUFTokenizer:
             self._bpe = None
         elif model == "gpt2":
             self._sp = None
-            self._bpe = _bpe_from_vocab(self.tokens, g.get("tokenizer.ggml.merges") or [], g)
+            pre = g.get("tokenizer.ggml.pre") or ("falcon" if g.get("general.architecture") == "falcon" else "gpt-2")
+            self._bpe = _bpe_from_vocab(self.tokens, g.get("tokenizer.ggml.merges") or [], g, pre)
         else:
             raise PowerInferError(f"{g.path}: tokenizer model {model!r} is not supported (llama, gpt2)")
         self.control_ids = {i for i, t in enumerate(types) if t == _CONTROL}
@@ -104,8 +111,20 @@ def _sentencepiece_from_vocab(tokens: list[str], scores: list[float], types: lis
     return sp
 
 
-def _bpe_from_vocab(tokens: list[str], merges: list[str], g: GGUFFile):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def _pre_tokenizer(name: str, g: GGUFFile):
+    from tokenizers import Regex, pre_tokenizers as pt
+
+    byte_level = pt.ByteLevel(add_prefix_space=False, use_regex=True)
+    if name == "falcon":
+        return pt.Sequence([pt.Punctuation("contiguous"), byte_level, pt.Digits(individual_digits=False),
+                            pt.Split(Regex("[0-9][0-9][0-9]"), "isolated")])
+    if name in ("gpt-2", "gpt2", "default"):
+        return byte_level
+    raise PowerInferError(f"{g.path}: BPE pre-tokenizer {name!r} is not supported (falcon, gpt-2)")
+
+
+def _bpe_from_vocab(tokens: list[str], merges: list[str], g: GGUFFile, pre: str):
+    from tokenizers import Tokenizer, decoders, models
 
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
@@ -113,6 +132,6 @@ def _bpe_from_vocab(tokens: list[str], merges: list[str], g: GGUFFile):
         tk = Tokenizer(models.BPE(vocab=vocab, merges=pairs))
     except Exception as e:  # noqa: BLE001
         raise PowerInferError(f"{g.path}: its BPE vocabulary is unusable ({e})") from None
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.pre_tokenizer = _pre_tokenizer(pre, g)
     tk.decoder = decoders.ByteLevel()
     return tk

@@ -1,11 +1,11 @@
-"""Model families: the one place that knows each architecture's facts.
+"""The family record and the helpers every family module and stage share.
 
-Every stage (profile, predictor training, conversion, runtime) asks this module
-instead of hard-coding names. A family says how its FFN is built, when an FFN
-neuron counts as *active*, where the predictor reads its input, and how its
-Hugging Face tensors map onto PowerInfer GGUF tensors. The facts follow
-``shared/FORMATS.md`` section 1 and upstream PowerInfer's converter
-(``convert-hf-to-powerinfer-gguf.py``).
+A :class:`Family` is one declaration of an architecture's facts (FORMATS.md section 1
+and 4): how its FFN combines gate/up, when a neuron is *active*, where the predictor
+reads its input, the transformers module paths the profiler hooks, and how the HF
+tensors become upstream PowerInfer's GGUF tensors. The family modules next to this one
+(``llama``, ``bamboo``, ``falcon``, ``opt``) each build one or two records and register
+them; nothing else in the toolkit hard-codes an architecture name.
 
 FFN kinds (``x`` is the FFN input after the norm, ``act`` the family activation):
 
@@ -15,33 +15,23 @@ FFN kinds (``x`` is the FFN input after the norm, ``act`` the family activation)
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from .errors import PowerInferError
+from ..errors import PowerInferError
 
-__all__ = [
-    "Activation",
-    "Family",
-    "FAMILIES",
-    "family_for_config",
-    "family_for_gguf_arch",
-    "read_hf_config",
-    "activation_from_config",
-]
-
-
-# --------------------------------------------------------------------------- activation
 SPARSE_ACTIVATIONS = ("relu", "fatrelu")
 DENSE_ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh")
 
 
+# --------------------------------------------------------------------------- activation
 @dataclass(frozen=True)
 class Activation:
     """An FFN activation function and its "neuron is active" rule.
@@ -80,21 +70,40 @@ class Activation:
         raise PowerInferError(f"activation {self.kind!r} has no sparsity: neurons are always active")
 
 
-# --------------------------------------------------------------------------- families
+# --------------------------------------------------------------------------- tensor rules
 @dataclass(frozen=True)
 class TensorRule:
-    """Maps one Hugging Face tensor name (regex with ``(?P<bid>\\d+)`` for the layer)
-    to a GGUF name (``{bid}`` placeholder) and a transform applied on the way."""
+    """Maps Hugging Face tensor names to one GGUF name and a transform applied on the way.
+
+    ``hf`` is a regex matched against the whole name; its named groups fill the
+    ``gguf`` template (``(?P<bid>\\d+)`` the layer, ``(?P<wb>weight|bias)`` the
+    suffix). ``gguf=None`` drops the tensor on purpose (a tied copy upstream does
+    not store). Transforms (applied by the converter): ``permute_q``/``permute_k``
+    (HF rotate-half rows -> GGML interleaved RoPE rows), ``down`` (transposed to
+    ``ffn_down_t`` in PowerInfer files), ``qkv_jploski`` (Falcon's fused QKV regrouped
+    as all Q heads, then all K, then all V).
+    """
 
     hf: str
-    gguf: str
-    transform: str | None = None  # None | "permute_q" | "permute_k" | "down"
+    gguf: str | None
+    transform: str | None = None
 
-    def match(self, name: str) -> tuple[str, str | None] | None:
+    def match(self, name: str) -> tuple[str | None, str | None] | None:
         m = re.fullmatch(self.hf, name)
         if m is None:
             return None
-        return self.gguf.format(bid=m.groupdict().get("bid", "")), self.transform
+        if self.gguf is None:
+            return None, None
+        return self.gguf.format(**{k: v for k, v in m.groupdict().items() if v is not None}), self.transform
+
+
+def weight_and_bias(hf_prefix: str, gguf_prefix: str, transform: str | None = None) -> TensorRule:
+    """One rule for ``{hf_prefix}.weight``/``.bias`` -> ``{gguf_prefix}.weight``/``.bias``."""
+    return TensorRule(hf_prefix + r"\.(?P<wb>weight|bias)", gguf_prefix + ".{wb}", transform)
+
+
+# --------------------------------------------------------------------------- family
+ConfigAdapter = Callable[[dict[str, Any], str], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -106,6 +115,24 @@ class Family:
     ``gate_attr``/``up_attr``/``down_attr`` and ``predictor_input_attr`` from one
     decoder layer. ``predictor_input_attr`` names the module whose *input* is the
     predictor input (None: the decoder layer's own input, as for Falcon).
+
+    GGUF side: ``gguf_arch`` is upstream's architecture name; ``gguf_global_tensors``
+    and ``gguf_layer_tensors`` list the non-FFN tensors upstream's loader requires
+    (a bare name means ``.weight``), the FFN/predictor tensors follow from ``ffn`` and
+    ``ffn_bias`` (see :meth:`expected_gguf_tensors`).
+
+    Runtime side: ``norm`` (``rms``: RMSNorm without bias, ``layer``: LayerNorm with
+    bias), ``rope`` (GGML mode ``normal`` = interleaved pairs, ``neox`` = rotate-half,
+    None = learned positions), ``parallel_attn`` (attention and FFN both read the layer
+    input, Falcon), ``learned_pos_offset`` (row of ``position_embd`` that holds
+    position 0: OPT stores two unused rows first).
+
+    Config side: ``activation_keys`` are the config keys naming the FFN activation
+    (first present wins) and ``default_activation`` is what transformers uses when
+    none is given. ``adapt_config`` turns a raw ``config.json`` dict into the dict the
+    family's transformers config class accepts (legacy Falcon keys, refusals of
+    layouts we cannot run); ``specialize`` returns the variant of the family a config
+    needs (e.g. one-layernorm Falcon); ``gguf_kv`` gives extra GGUF metadata.
     """
 
     name: str
@@ -119,15 +146,29 @@ class Family:
     down_attr: str
     predictor_input_attr: str | None
     tensor_rules: tuple[TensorRule, ...] = field(default_factory=tuple)
-    # GGUF tensors per layer besides the FFN/predictor ones, for checking a file.
     gguf_layer_tensors: tuple[str, ...] = field(default_factory=tuple)
     gguf_global_tensors: tuple[str, ...] = field(default_factory=tuple)
-    norm: str = "rms"  # "rms" (RMSNorm, no bias) | "layer" (LayerNorm with bias)
-    rope: str | None = "normal"  # GGML rope mode: "normal" (interleaved pairs) | "neox" | None
+    norm: str = "rms"
+    rope: str | None = "normal"
+    parallel_attn: bool = False
+    ffn_bias: bool = False
+    learned_pos_offset: int = 0
+    activation_keys: tuple[str, ...] = ("hidden_act",)
+    default_activation: str = "silu"
+    adapt_config: ConfigAdapter | None = None
+    specialize: Callable[["Family", dict[str, Any]], "Family"] | None = None
+    gguf_kv: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
     @property
     def gated(self) -> bool:
         return self.gate_attr is not None
+
+    def replace(self, **changes: Any) -> "Family":
+        return dataclasses.replace(self, **changes)
+
+    def for_config(self, cfg: dict[str, Any]) -> "Family":
+        """The variant of this family that ``cfg`` (an adapted config) needs."""
+        return self.specialize(self, cfg) if self.specialize is not None else self
 
     def active_mask(self, act: Activation, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
         """Which neurons fire. ``gate``/``up``: pre-activations ``[..., n_ff]``; returns bool ``[..., n_ff]``."""
@@ -153,7 +194,8 @@ class Family:
         """Bytes one FFN neuron's rows occupy: gate + up + down rows (or up + down)."""
         return n_embd * bytes_per_weight * (3 if self.gated else 2)
 
-    def map_tensor(self, hf_name: str) -> tuple[str, str | None] | None:
+    def map_tensor(self, hf_name: str) -> tuple[str | None, str | None] | None:
+        """``(gguf_name, transform)`` for an HF tensor; ``(None, None)`` = drop it; None = unknown."""
         for rule in self.tensor_rules:
             hit = rule.match(hf_name)
             if hit is not None:
@@ -161,64 +203,28 @@ class Family:
         return None
 
     def expected_gguf_tensors(self, n_layer: int, sparse: bool) -> list[str]:
-        """The exact tensor-name set upstream's loader wants (FORMATS.md section 4)."""
-        names = [f"{n}.weight" if "." not in n else n for n in self.gguf_global_tensors]
+        """The exact tensor-name set upstream's loader wants (FORMATS.md section 4), in file order."""
+        names = [n if "." in n else f"{n}.weight" for n in self.gguf_global_tensors]
+        parts = ("weight", "bias") if self.ffn_bias else ("weight",)
         for i in range(n_layer):
-            for t in self.gguf_layer_tensors:
-                names.append(f"blk.{i}.{t}")
-            if self.gated:
-                names.append(f"blk.{i}.ffn_gate.weight")
-            names.append(f"blk.{i}.ffn_up.weight")
+            names += [f"blk.{i}.{t}" if "." in t else f"blk.{i}.{t}.weight" for t in self.gguf_layer_tensors]
+            ffn = (["ffn_gate"] if self.gated else []) + ["ffn_up", "ffn_down_t" if sparse else "ffn_down"]
+            names += [f"blk.{i}.{t}.{p}" for t in ffn for p in parts]
             if sparse:
-                names += [f"blk.{i}.ffn_down_t.weight", f"blk.{i}.fc1.weight", f"blk.{i}.fc2.weight"]
-            else:
-                names.append(f"blk.{i}.ffn_down.weight")
+                names += [f"blk.{i}.fc1.weight", f"blk.{i}.fc2.weight"]
         return names
 
 
-_LLAMA_RULES = (
-    TensorRule(r"model\.embed_tokens\.weight", "token_embd.weight"),
-    TensorRule(r"model\.norm\.weight", "output_norm.weight"),
-    TensorRule(r"lm_head\.weight", "output.weight"),
-    TensorRule(r"model\.layers\.(?P<bid>\d+)\.input_layernorm\.weight", "blk.{bid}.attn_norm.weight"),
-    TensorRule(r"model\.layers\.(?P<bid>\d+)\.self_attn\.q_proj\.weight", "blk.{bid}.attn_q.weight", "permute_q"),
-    TensorRule(r"model\.layers\.(?P<bid>\d+)\.self_attn\.k_proj\.weight", "blk.{bid}.attn_k.weight", "permute_k"),
-    TensorRule(r"model\.layers\.(?P<bid>\d+)\.self_attn\.v_proj\.weight", "blk.{bid}.attn_v.weight"),
-    TensorRule(r"model\.layers\.(?P<bid>\d+)\.self_attn\.o_proj\.weight", "blk.{bid}.attn_output.weight"),
-    TensorRule(r"model\.layers\.(?P<bid>\d+)\.post_attention_layernorm\.weight", "blk.{bid}.ffn_norm.weight"),
-    TensorRule(r"model\.layers\.(?P<bid>\d+)\.mlp\.gate_proj\.weight", "blk.{bid}.ffn_gate.weight"),
-    TensorRule(r"model\.layers\.(?P<bid>\d+)\.mlp\.up_proj\.weight", "blk.{bid}.ffn_up.weight"),
-    TensorRule(r"model\.layers\.(?P<bid>\d+)\.mlp\.down_proj\.weight", "blk.{bid}.ffn_down.weight", "down"),
-)
-_LLAMA_LAYER = (
-    "attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
-    "attn_output.weight", "ffn_norm.weight",
-)
+# --------------------------------------------------------------------------- registry
+FAMILIES: dict[str, Family] = {}
 
-RELU_LLAMA = Family(
-    name="llama",
-    hf_architectures=("LlamaForCausalLM",),
-    hf_model_types=("llama",),
-    gguf_arch="llama",
-    ffn="reglu",
-    layers_attr="model.layers",
-    gate_attr="mlp.gate_proj",
-    up_attr="mlp.up_proj",
-    down_attr="mlp.down_proj",
-    predictor_input_attr="post_attention_layernorm",
-    tensor_rules=_LLAMA_RULES,
-    gguf_layer_tensors=_LLAMA_LAYER,
-    gguf_global_tensors=("token_embd", "output_norm", "output"),
-)
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (RELU_LLAMA,)}
-
-def register_family(family: Family) -> None:
-    """Add a family (used by the family modules that extend this table)."""
+def register_family(family: Family) -> Family:
+    """Add a family to the table (the family modules call this on import)."""
     FAMILIES[family.name] = family
+    return family
 
 
-# --------------------------------------------------------------------------- config helpers
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
     """Read ``config.json`` of a Hugging Face model folder.
 
@@ -243,7 +249,8 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
 def family_for_config(cfg: dict[str, Any], source: str | Path = "config.json") -> Family:
     """Pick the family from a config's ``architectures`` (then ``model_type``).
 
-    Raises PowerInferError naming the architecture when it is not supported.
+    Matching is exact: ``RWForCausalLM`` is Falcon, never Llama. Raises
+    PowerInferError naming the architecture when it is not supported.
     """
     archs = cfg.get("architectures") or []
     for arch in archs:
@@ -255,21 +262,36 @@ def family_for_config(cfg: dict[str, Any], source: str | Path = "config.json") -
         for fam in FAMILIES.values():
             if mt in fam.hf_model_types:
                 return fam
-    name = ", ".join(archs) if archs else f"model_type {cfg.get('model_type')!r}"
+    name = ", ".join(map(str, archs)) if archs else f"model_type {cfg.get('model_type')!r}"
     known = sorted(a for f in FAMILIES.values() for a in f.hf_architectures)
     raise PowerInferError(f"{source}: architecture {name} is not supported (supported: {', '.join(known)})")
 
 
 def family_for_gguf_arch(arch: str, source: str | Path = "GGUF") -> Family:
+    """The family that reads GGUF architecture ``arch`` (first registered wins: ``llama`` is ReLU-Llama)."""
     for fam in FAMILIES.values():
         if fam.gguf_arch == arch:
             return fam
     raise PowerInferError(f"{source}: GGUF architecture {arch!r} is not supported")
 
 
-def activation_from_config(cfg: dict[str, Any]) -> Activation:
-    """The FFN activation a config declares (``hidden_act``/``activation_function``/``activation``)."""
-    kind = cfg.get("hidden_act") or cfg.get("activation_function") or cfg.get("activation") or "silu"
+def adapt_config(family: Family, cfg: dict[str, Any], source: str | Path = "config.json") -> dict[str, Any]:
+    """``cfg`` in the form the family's transformers config class takes (a new dict)."""
+    return family.adapt_config(dict(cfg), str(source)) if family.adapt_config is not None else dict(cfg)
+
+
+def activation_from_config(cfg: dict[str, Any], family: Family | None = None) -> Activation:
+    """The FFN activation a config declares.
+
+    Reads the family's ``activation_keys`` (``hidden_act`` for Llama/Mistral,
+    ``activation`` for Falcon, ``activation_function`` for OPT); without a family any
+    of them. A config that names none gets the family's transformers default (SiLU
+    for Llama, GELU for Falcon, ReLU for OPT), so a Falcon config is ReLU only when
+    it says so. ``fatrelu`` reads its threshold from ``hidden_act_param``. Raises
+    PowerInferError for unknown activations or a non-finite threshold.
+    """
+    keys = family.activation_keys if family else ("hidden_act", "activation_function", "activation")
+    kind = next((cfg[k] for k in keys if cfg.get(k)), family.default_activation if family else "silu")
     kind = str(kind).lower()
     if kind == "fatrelu":
         t = float(cfg.get("hidden_act_param", 0.0))
@@ -291,17 +313,30 @@ def model_layers(family: Family, model: torch.nn.Module) -> list[torch.nn.Module
     return list(get_attr(model, family.layers_attr))
 
 
+def rope_theta(cfg: dict[str, Any], default: float = 10000.0) -> float:
+    """RoPE base from ``rope_theta`` or transformers 5's ``rope_parameters`` (default 10000)."""
+    params = cfg.get("rope_parameters") or {}
+    return float(cfg.get("rope_theta") or (params.get("rope_theta") if isinstance(params, dict) else None) or default)
+
+
 def hf_dims(cfg: dict[str, Any]) -> dict[str, int]:
-    """n_embd, n_ff, n_layer, n_head, n_head_kv, n_ctx from a HF config (llama-style keys)."""
+    """n_embd, n_ff, n_layer, n_head, n_head_kv, n_ctx from an (adapted) HF config.
+
+    Knows the Llama/Mistral (``num_key_value_heads``), Falcon (``num_kv_heads``,
+    ``ffn_hidden_size``) and OPT (``ffn_dim``) key names. Raises PowerInferError for a
+    missing or out-of-range dimension.
+    """
     g = cfg.get
     n_embd = g("hidden_size") or g("n_embd") or g("d_model")
     n_layer = g("num_hidden_layers") or g("n_layer")
     n_head = g("num_attention_heads") or g("n_head")
     n_head_kv = g("num_key_value_heads") or g("num_kv_heads") or g("n_head_kv") or n_head
-    n_ff = g("intermediate_size") or g("ffn_dim") or g("ffn_hidden_size") or (4 * n_embd if n_embd else None)
+    n_ff = g("intermediate_size") or g("ffn_dim") or g("ffn_hidden_size") or (4 * n_embd if isinstance(n_embd, int) else None)
     n_ctx = g("max_position_embeddings") or g("max_sequence_length") or 2048
     out = dict(n_embd=n_embd, n_ff=n_ff, n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv, n_ctx=n_ctx)
     for k, v in out.items():
-        if not isinstance(v, int) or v <= 0 or v > 1 << 20:
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v > 1 << 20:
             raise PowerInferError(f"config: {k} = {v!r} is missing or out of range")
+    if n_embd % n_head or n_head % n_head_kv:
+        raise PowerInferError(f"config: n_embd {n_embd}, n_head {n_head}, n_head_kv {n_head_kv} are inconsistent")
     return out

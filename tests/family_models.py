@@ -1,0 +1,185 @@
+"""Small randomly initialised models of every family, saved in their published HF layout.
+
+Each is the real config shrunk with its structure kept: GQA ratio, parallel attention
+and two layernorms (Falcon-40B), biases and learned positions (OPT), a sliding window
+shorter than the test prompt (Bamboo), FATReLU with a threshold that matters
+(ProSparse). Configs carry the ``auto_map`` of the published repos, which the loader
+must ignore (no remote code). Llama-body models use stories260K's SentencePiece
+tokenizer (vocab 512); Falcon and OPT get a byte-level BPE trained here on
+TinyStories text (Falcon with Falcon's own pre-tokenizer).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from helpers import STORIES, SHARED, make_tiny_llama, need
+
+N_LAYER = 3
+PROSPARSE_THRESHOLD = 0.3  # ProSparse-7B ships 0.01; larger here so FATReLU differs from ReLU at this scale
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights N(0, 0.2); 1-D parameters (norm weights, biases) around 1 and 0 with spread 0.1."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            else:
+                p.copy_(1.0 + torch.randn(p.shape, generator=g) * 0.1)
+
+
+def _spm_tokenizer(out_dir: Path) -> None:
+    for name in ("tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(STORIES / "hf" / name, out_dir / name)
+        (out_dir / name).chmod(0o644)
+
+
+def _save(model: torch.nn.Module, out_dir: Path, edit: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
+    model.save_pretrained(out_dir)
+    cfg = json.loads((out_dir / "config.json").read_text())
+    for k in drop:
+        cfg.pop(k, None)
+    cfg.update(edit or {})
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out_dir
+
+
+def train_bpe(out_dir: Path, falcon_pre: bool, vocab_size: int = 384) -> int:
+    """A byte-level BPE ``tokenizer.json`` (+ config, eos ``<|endoftext|>`` id 0); returns its size."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers as pt, trainers
+
+    tk = Tokenizer(models.BPE())
+    byte_level = pt.ByteLevel(add_prefix_space=False, use_regex=True)
+    tk.pre_tokenizer = pt.Sequence([pt.Punctuation("contiguous"), byte_level, pt.Digits(individual_digits=False),
+                                    pt.Split(Regex("[0-9][0-9][0-9]"), "isolated")]) if falcon_pre else byte_level
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pt.ByteLevel.alphabet(), show_progress=False)
+    text = need(SHARED / "data" / "tinystories" / "tinystories_sample.txt").read_text()
+    tk.train_from_iterator([text[i:i + 2000] for i in range(0, len(text), 2000)], trainer)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tk.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>",
+         "add_prefix_space": False}))
+    return tk.get_vocab_size()
+
+
+def make_relu_llama(out_dir: Path) -> Path:
+    """ReluLLaMA-70B's shape ratio (GQA 8 q heads per kv head -> here 4:2), hidden_act relu."""
+    return make_tiny_llama(out_dir, n_layer=N_LAYER, n_embd=32, n_ff=48, n_head=4, n_head_kv=2)
+
+
+def make_prosparse(out_dir: Path) -> Path:
+    """ProSparse-Llama-2: SparseLlamaForCausalLM, hidden_act fatrelu, threshold in hidden_act_param."""
+    from powerinfer.models import SparseLlamaConfig, SparseLlamaForCausalLM
+
+    cfg = SparseLlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=48, num_hidden_layers=N_LAYER,
+                            num_attention_heads=4, num_key_value_heads=4, hidden_act="fatrelu",
+                            hidden_act_param=PROSPARSE_THRESHOLD, max_position_embeddings=4096,
+                            rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(1)
+    model = SparseLlamaForCausalLM(cfg)
+    _randomize(model, 1)
+    _save(model, out_dir, {"auto_map": {"AutoConfig": "configuration_sparsellama.SparseLlamaConfig",
+                                        "AutoModelForCausalLM": "modeling_sparsellama.SparseLlamaForCausalLM"}})
+    _spm_tokenizer(out_dir)
+    return out_dir
+
+
+SLIDING_WINDOW = 8
+
+
+def make_bamboo(out_dir: Path) -> Path:
+    """Bamboo-7B: Mistral body, GQA 4 q heads per kv head, dReLU, sliding_window 8 (< the test prompt)."""
+    from powerinfer.models import BambooConfig, BambooForCausalLM
+
+    cfg = BambooConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=N_LAYER,
+                       num_attention_heads=8, num_key_value_heads=2, hidden_act="relu",
+                       max_position_embeddings=32768, sliding_window=SLIDING_WINDOW, rms_norm_eps=1e-5,
+                       bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(2)
+    model = BambooForCausalLM(cfg)
+    _randomize(model, 2)
+    _save(model, out_dir, {"auto_map": {"AutoConfig": "configuration_bamboo.BambooConfig",
+                                        "AutoModelForCausalLM": "modeling_bamboo.BambooForCausalLM"}})
+    _spm_tokenizer(out_dir)
+    return out_dir
+
+
+def make_falcon(out_dir: Path, legacy: bool = False, activation: str | None = "relu", seven_b: bool = False) -> Path:
+    """ReLU-Falcon-40B's layout: new_decoder_architecture, parallel attention, ln_attn + ln_mlp, no biases,
+    GQA 4 q heads per kv head, tied output, bos = eos.
+
+    ``legacy=True`` writes the same weights with a ``RWForCausalLM`` / ``RefinedWeb`` config (``n_layer``,
+    ``n_head``, ``n_head_kv``); ``activation=None`` leaves the activation key out; ``seven_b=True`` is
+    Falcon-7B's older layout instead (one input layernorm shared by both branches, multi-query attention).
+    """
+    from transformers import FalconConfig, FalconForCausalLM
+
+    n_vocab = train_bpe(out_dir, falcon_pre=True)
+    cfg = FalconConfig(vocab_size=n_vocab, hidden_size=64, num_hidden_layers=N_LAYER, num_attention_heads=8,
+                       num_kv_heads=None if seven_b else 2, new_decoder_architecture=not seven_b,
+                       multi_query=seven_b, parallel_attn=True, bias=False,
+                       alibi=False, activation=activation or "gelu", layer_norm_epsilon=1e-5,
+                       max_position_embeddings=2048, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(3)
+    model = FalconForCausalLM(cfg)
+    _randomize(model, 3)
+    if not legacy:
+        return _save(model, out_dir, None, drop=() if activation else ("activation",))
+    keep = {"vocab_size", "hidden_size", "layer_norm_epsilon", "initializer_range", "bos_token_id",
+            "eos_token_id", "hidden_dropout", "attention_dropout", "bias", "parallel_attn", "alibi"}
+    _save(model, out_dir)
+    full = json.loads((out_dir / "config.json").read_text())
+    legacy_cfg = {k: v for k, v in full.items() if k in keep}
+    legacy_cfg.update({"architectures": ["RWForCausalLM"], "model_type": "RefinedWeb", "n_layer": N_LAYER,
+                       "n_head": 8, "n_head_kv": 2, "apply_residual_connection_post_layernorm": False,
+                       "auto_map": {"AutoConfig": "configuration_RW.RWConfig",
+                                    "AutoModelForCausalLM": "modelling_RW.RWForCausalLM"}})
+    if activation:
+        legacy_cfg["activation"] = activation
+    (out_dir / "config.json").write_text(json.dumps(legacy_cfg, indent=1))
+    return out_dir
+
+
+def make_opt(out_dir: Path, decoder_prefix: bool = False) -> Path:
+    """OPT: pre-LN, biases everywhere, learned positions (2048 + 2 rows, as upstream wants), tied output.
+
+    The model's vocab is 3 rows larger than the tokenizer (as OPT's 50272 vs 50265), so the
+    converter pads. ``decoder_prefix=True`` renames tensors to the published ``decoder.*`` names.
+    """
+    from safetensors.torch import load_file, save_file
+    from transformers import OPTConfig, OPTForCausalLM
+
+    n_vocab = train_bpe(out_dir, falcon_pre=False)
+    cfg = OPTConfig(vocab_size=n_vocab + 3, hidden_size=64, ffn_dim=256, num_hidden_layers=N_LAYER,
+                    num_attention_heads=4, max_position_embeddings=2048, do_layer_norm_before=True,
+                    word_embed_proj_dim=64, activation_function="relu", enable_bias=True,
+                    bos_token_id=0, eos_token_id=0, pad_token_id=1)
+    torch.manual_seed(4)
+    model = OPTForCausalLM(cfg)
+    _randomize(model, 4)
+    _save(model, out_dir)
+    if decoder_prefix:
+        sd = load_file(out_dir / "model.safetensors")
+        save_file({k.removeprefix("model."): v.contiguous() for k, v in sd.items()}, out_dir / "model.safetensors",
+                  metadata={"format": "pt"})
+    return out_dir
+
+
+BUILDERS = {
+    "relu_llama": make_relu_llama,
+    "prosparse": make_prosparse,
+    "bamboo": make_bamboo,
+    "falcon": make_falcon,
+    "falcon_legacy": lambda d: make_falcon(d, legacy=True),
+    "opt": make_opt,
+}
