@@ -9,6 +9,7 @@ import torch
 from ..errors import PowerInferError, cli_errors
 from ..formats.gguf_file import open_gguf
 from .generate import SamplerSettings, generate
+from .hybrid import offload
 from .model import Transformer
 from .tokenizer import GGUFTokenizer, TextStream
 
@@ -34,16 +35,25 @@ def load_model(path: str, dtype: str = "f32", dense: bool = False, n_ctx: int | 
 @click.option("-s", "--seed", default=-1, show_default=True, help="RNG seed (-1: random).")
 @click.option("-t", "--threads", default=0, help="CPU threads (0: torch's default).")
 @click.option("--dense", is_flag=True, help="Compute every FFN neuron even in a PWRI file.")
+@click.option("--vram-budget", type=float, default=None,
+              help="GiB of GPU memory: hot FFN neurons go to the GPU, cold ones stay on the CPU.")
+@click.option("--activation", "activation_dir", type=click.Path(file_okay=False), default=None,
+              help="Activation folder for the neuron placement (default: activation/ beside the model).")
+@click.option("--reset-gpu-index", is_flag=True, help="Re-solve the placement even if a matching index exists.")
+@click.option("--disable-gpu-index", is_flag=True, help="Ignore --vram-budget and the GPU index: CPU only.")
 @click.option("--dtype", type=click.Choice(sorted(DTYPES)), default="f32", show_default=True,
               help="Compute dtype on the CPU.")
 @cli_errors
-def main(model_path, prompt, n_predict, ctx_size, temp, top_k, top_p, seed, threads, dense, dtype):
+def main(model_path, prompt, n_predict, ctx_size, temp, top_k, top_p, seed, threads, dense, vram_budget,
+         activation_dir, reset_gpu_index, disable_gpu_index, dtype):
     """Generate text with sparse FFNs: only the neurons the predictor marks active are computed."""
     if n_predict < 0:
         raise PowerInferError(f"-n {n_predict}: must be >= 0")
     if threads > 0:
         torch.set_num_threads(threads)
     model, tok = load_model(model_path, dtype, dense, ctx_size or None)
+    if vram_budget is not None and not disable_gpu_index:
+        click.echo(offload(model, model_path, vram_budget, activation_dir, reset_gpu_index), err=True)
     ids = tok.encode(prompt)
     if len(ids) >= model.n_ctx:
         raise PowerInferError(f"prompt: {len(ids)} tokens do not fit the context length {model.n_ctx} "
