@@ -176,7 +176,7 @@ def _collect_split(model: torch.nn.Module, family: Family, act: Activation, batc
 
 def collect_predictor_data(model: torch.nn.Module, family: Family, act: Activation, n_embd: int, n_ff: int,
                            splits: dict[str, Callable[[], Iterable[torch.Tensor]]], work_dir: str | Path,
-                           key: dict[str, Any], progress: bool = False,
+                           key: dict[str, Any], progress: bool = False, totals: dict[str, int] | None = None,
                            log: Callable[[str], None] | None = None) -> CollectedData:
     """Run the model over each split's batches and store (input, mask) rows per layer.
 
@@ -185,7 +185,8 @@ def collect_predictor_data(model: torch.nn.Module, family: Family, act: Activati
     (:func:`powerinfer.data.calibration_batches`); the functions are only called when the
     data must be collected. ``key`` (JSON-able: model and data fingerprints, token caps,
     seq_len, ...) identifies the collection: if ``work_dir`` already holds a complete
-    collection with an equal key it is returned without running the model.
+    collection with an equal key it is returned without running the model. ``totals``:
+    expected tokens per split, for the progress bars only.
 
     Returns the :class:`CollectedData`. Raises PowerInferError if a split yields no tokens.
     """
@@ -207,9 +208,10 @@ def collect_predictor_data(model: torch.nn.Module, family: Family, act: Activati
         bar = None
         if progress:
             from tqdm import tqdm
-            bar = tqdm(unit="tok", desc=f"collect {split}", leave=False)
+            bar = tqdm(total=(totals or {}).get(split), unit="tok", desc=f"collect {split}", leave=False)
         try:
-            n = _collect_split(model, family, act, make_batches(), writer, bar.update if bar else None)
+            n = _collect_split(model, family, act, make_batches(), writer,
+                               bar.update if bar is not None else None)
         finally:
             if bar is not None:
                 bar.close()

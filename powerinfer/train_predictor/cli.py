@@ -1,0 +1,91 @@
+"""``pi-train-predictor``: train the per-layer activation predictors of a ReLU-family model.
+
+Collects (predictor input, active mask) pairs from calibration text, sizes each layer's
+predictor from its sparsity, trains ``fc2(relu(fc1 x))`` per layer with the Deja Vu loss
+and writes ``PRED_DIR/model_{i}.pt`` + ``config.json`` (FORMATS.md section 3). Details:
+:mod:`powerinfer.train_predictor.train`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..errors import cli_errors
+from ..profile.cli import format_table
+
+__all__ = ["main", "predictor_table"]
+
+
+def predictor_table(config: dict[str, Any]) -> str:
+    """The per-layer summary ``pi-train-predictor`` prints (from the written config.json)."""
+    rows = [(l["layer"], l["hidden"], l["sparsity"], l["recall"], l["precision"], l["pred_active"],
+             l["true_active"], f"{l['best_epoch'] + 1}/{l['epochs']}", f"{l['train_seconds']:.1f}")
+            for l in config["layers"]]
+    return format_table(("layer", "H", "sparsity", "recall", "precision", "pred_active", "true_active",
+                         "epoch", "seconds"), rows)
+
+
+@click.command(context_settings=dict(help_option_names=["-h", "--help"]))
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option("--data", required=True, type=str,
+              help="Calibration text: .txt (paragraphs), .json/.jsonl (field --text-field), a folder of "
+                   "those, or hf:NAME[:CONFIG]. The last --heldout-frac of its documents is held out.")
+@click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path),
+              help="Predictor folder to write (model_{i}.pt + config.json, replaced atomically).")
+@click.option("--max-tokens", default=65536, show_default=True, type=click.IntRange(min=2),
+              help="Training tokens to collect.")
+@click.option("--heldout-tokens", default=None, type=click.IntRange(min=2),
+              help="Held-out tokens to collect [default: max-tokens / 4].")
+@click.option("--heldout-frac", default=0.1, show_default=True, type=click.FloatRange(0, 1, min_open=True, max_open=True),
+              help="Share of documents (the last ones) held out for early stopping and metrics.")
+@click.option("--seq-len", default=256, show_default=True, type=click.IntRange(min=2),
+              help="Tokens per packed sequence.")
+@click.option("--epochs", default=20, show_default=True, type=click.IntRange(min=1), help="Maximum epochs per layer.")
+@click.option("--patience", default=3, show_default=True, type=click.IntRange(min=1),
+              help="Stop a layer after this many epochs without a better held-out score.")
+@click.option("--batch-size", default=1024, show_default=True, type=click.IntRange(min=1),
+              help="Tokens per training step.")
+@click.option("--lr", default=None, type=click.FloatRange(min=0, min_open=True),
+              help="Peak AdamW learning rate [default: min(1e-2, 0.08/sqrt(n_embd))], cosine-decayed.")
+@click.option("--budget", default=None, type=click.FloatRange(0, 1, min_open=True),
+              help="Predictor parameters as a share of the model's [default: 0.09]; widths follow sparsity.")
+@click.option("--hidden", default=None, type=click.IntRange(min=1),
+              help="Use this width for every layer instead of the budget rule.")
+@click.option("--threshold", default=0.0, show_default=True, type=float,
+              help="sparse_threshold: a neuron is predicted active when its logit >= this.")
+@click.option("--work-dir", default=None, type=click.Path(path_type=Path),
+              help="Collected data and per-layer checkpoints, reused on re-runs [default: OUT-work].")
+@click.option("--text-field", default="text", show_default=True, help="JSON field holding the text.")
+@click.option("--threads", default=None, type=click.IntRange(min=1),
+              help="CPU threads for torch [default: 1 for tiny models, else torch's choice].")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed for initialisation and shuffling.")
+@cli_errors
+def main(model_dir: Path, data: str, out_dir: Path, max_tokens: int, heldout_tokens: int | None,
+         heldout_frac: float, seq_len: int, epochs: int, patience: int, batch_size: int, lr: float | None,
+         budget: float | None, hidden: int | None, threshold: float, work_dir: Path | None, text_field: str,
+         threads: int | None, seed: int) -> None:
+    """Train activation predictors for MODEL_DIR (a Hugging Face model folder with a ReLU-family FFN).
+
+    Re-running with the same arguments reuses the collected data and skips finished layers.
+    """
+    from .train import TrainSettings, train_predictor_dir
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own tqdm bars say what is going on
+    settings = TrainSettings(epochs=epochs, batch_size=batch_size, lr=lr, patience=patience,
+                             threshold=threshold, seed=seed)
+    cfg = train_predictor_dir(model_dir, data, out_dir, work_dir=work_dir, max_tokens=max_tokens,
+                              heldout_tokens=heldout_tokens, heldout_frac=heldout_frac, seq_len=seq_len,
+                              text_field=text_field, budget=budget, hidden=hidden, settings=settings,
+                              threads=threads, progress=True, log=lambda msg: click.echo(msg, err=True))
+    click.echo(predictor_table(cfg))
+    click.echo(f"{cfg['n_tokens']['train']} training / {cfg['n_tokens']['heldout']} held-out tokens; predictors "
+               f"{cfg['predictor_params']} parameters ({cfg['predictor_share']:.1%} of the model); "
+               f"collect {cfg['seconds']['collect']:.1f} s, train {cfg['seconds']['train']:.1f} s -> {out_dir}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,450 @@
+"""Train the runtime's activation predictors, one layer at a time (Deja Vu recipe).
+
+Model: exactly what the PowerInfer runtime evaluates (FORMATS.md section 3),
+``logits = fc2(relu(fc1(x)))`` with ``fc1 = Linear(n_embd, H, bias=False)`` and
+``fc2 = Linear(H, n_ff, bias=False)``; neuron ``j`` is predicted active when
+``logits_j >= sparse_threshold`` (default 0.0, i.e. sigmoid 0.5). Training the ReLU in
+(and no biases) matters: a predictor trained without it is evaluated differently at run time.
+
+Loss (Deja Vu, ``sparse_predictor/trainer_mlp.py``): per batch, with ``y`` the 0/1 active
+mask ``[B, n_ff]`` and ``w = mean(y) + 0.005`` (the batch's positive rate + 0.005), each
+element's BCE is weighted 1 for an active neuron and ``w`` for an inactive one,
+``loss = mean(weight * BCE(sigmoid(logits), y))``. (Equivalently ``pos_weight = 1/w`` up to
+a constant factor.) Missing an active neuron costs ~``1/w`` times more than a false
+alarm, which pushes recall up, as a sparse FFN must not skip neurons that fire. We use
+``binary_cross_entropy_with_logits`` (same value, numerically stable).
+
+Optimiser and stopping: AdamW (weight decay 0.01, as Deja Vu), batch 1024, shuffled
+every epoch, peak learning rate :func:`default_lr` (unless given) decayed along a cosine
+to a tenth of it by the last epoch; after each epoch the held-out split is scored. Deja Vu keeps the epoch
+with the best held-out recall and stops after 5 epochs without improvement; recall
+alone also rewards predicting everything active, so here the score is held-out recall
+minus ``FALSE_ALARM_COST`` times the false-alarm share (predicted-active but inactive,
+as a share of all neurons), which ranks epochs by recall while refusing gains bought
+with many extra neurons. The best epoch's weights are kept; training stops after
+``patience`` epochs without a better score or at ``epochs``.
+
+Resumable (nanoGPT style): after every epoch a checkpoint ``WORK/train/layer_{i}.pt``
+holds the weights, optimiser state, best weights, history and a key (data + width +
+settings). A rerun continues an unfinished layer and does not retrain a finished one.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..errors import PowerInferError
+from ..formats._atomic import atomic_path
+from ..formats.predictor import LayerPredictor
+from .collect import CollectedData, unpack_mask
+
+__all__ = ["TrainSettings", "Predictor", "default_lr", "lr_at", "deja_vu_loss", "heldout_metrics", "train_layer",
+           "train_all_layers", "train_predictor_dir", "FALSE_ALARM_COST"]
+
+TRAIN_DIR = "train"
+FALSE_ALARM_COST = 0.5
+_DEJA_VU_EPS = 0.005
+_NOT_IN_KEY = ("eval_rows", "ram_bytes")  # settings that do not change the result
+
+
+@dataclass
+class TrainSettings:
+    """Training hyper-parameters (defaults: Deja Vu's batch 1024, AdamW, wd 0.01)."""
+
+    epochs: int = 20
+    batch_size: int = 1024
+    lr: float | None = None  # None: default_lr(n_embd)
+    weight_decay: float = 0.01
+    patience: int = 3
+    threshold: float = 0.0
+    seed: int = 0
+    eval_rows: int = 8192  # held-out rows scored per chunk
+    ram_bytes: int = 2 << 30  # a layer's split is loaded into RAM when it fits in this
+
+
+def default_lr(n_embd: int) -> float:
+    """Peak AdamW learning rate when none is given: ``min(1e-2, 0.08 / sqrt(n_embd))``.
+
+    1e-2 for n_embd 64, 1.25e-3 for 4096 (wider inputs, smaller steps, as usual for Adam).
+    """
+    return min(1e-2, 0.08 / math.sqrt(n_embd))
+
+
+def lr_at(step: int, total: int, peak: float) -> float:
+    """Cosine decay from ``peak`` to ``peak / 10`` over ``total`` steps (nanoGPT style, no warmup)."""
+    frac = min(max(step / max(total, 1), 0.0), 1.0)
+    return peak / 10 + 0.5 * (peak - peak / 10) * (1 + math.cos(math.pi * frac))
+
+
+class Predictor(torch.nn.Module):
+    """``fc2(relu(fc1 x))``, no biases: ``x`` ``[..., n_embd]`` -> logits ``[..., n_ff]``."""
+
+    def __init__(self, n_embd: int, hidden: int, n_ff: int):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(n_embd, hidden, bias=False)
+        self.fc2 = torch.nn.Linear(hidden, n_ff, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+    def to_layer_predictor(self) -> LayerPredictor:
+        return LayerPredictor(self.fc1.weight.detach().float().clone(), self.fc2.weight.detach().float().clone())
+
+
+def deja_vu_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Weighted BCE of Deja Vu: weight 1 on active (``y=1``), ``mean(y)+0.005`` on inactive.
+
+    ``logits``, ``y``: float ``[B, n_ff]``; returns the scalar mean over all elements.
+    """
+    w = y.mean() + _DEJA_VU_EPS
+    weight = y * (1.0 - w) + w
+    return F.binary_cross_entropy_with_logits(logits, y, weight=weight)
+
+
+def _rows(x: np.ndarray, m: np.ndarray, idx: np.ndarray | slice, n_ff: int) -> tuple[torch.Tensor, torch.Tensor]:
+    xb = torch.from_numpy(np.asarray(x[idx], dtype=np.float32))
+    yb = torch.from_numpy(unpack_mask(np.asarray(m[idx]), n_ff)).float()
+    return xb, yb
+
+
+class _Split:
+    """Row access to one layer's split: in RAM (float32 inputs, uint8 masks) when it fits
+    in ``ram_bytes``, else read from the memmaps batch by batch."""
+
+    def __init__(self, x: np.ndarray, m: np.ndarray, n_ff: int, ram_bytes: int):
+        self.n, self.n_ff = x.shape[0], n_ff
+        self.x, self.m = x, m
+        self.in_ram = self.n * (x.shape[1] * 4 + n_ff) <= ram_bytes
+        if self.in_ram:
+            self.x = torch.from_numpy(np.asarray(x, dtype=np.float32))
+            self.m = torch.from_numpy(unpack_mask(np.asarray(m), n_ff))
+
+    def get(self, idx: np.ndarray | slice) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.in_ram:
+            i = idx if isinstance(idx, slice) else torch.from_numpy(idx)
+            return self.x[i], self.m[i].float()
+        return _rows(self.x, self.m, idx, self.n_ff)
+
+
+@torch.no_grad()
+def _evaluate(model: torch.nn.Module, rows: _Split, threshold: float, chunk: int, batch_size: int) -> dict[str, float]:
+    """Held-out scores: Deja Vu ``loss`` (weights per ``batch_size`` rows, as in training),
+    ``recall`` / ``precision`` flattened over tokens and neurons at ``logits >= threshold``,
+    ``pred_active`` / ``true_active`` shares and ``false_alarm`` (share of all neurons
+    predicted active but inactive)."""
+    tp = fp = fn = n = 0
+    loss_sum = 0.0
+    for s in range(0, rows.n, chunk):
+        xb, yb = rows.get(slice(s, s + chunk))
+        logits = model(xb)
+        for b in range(0, xb.shape[0], batch_size):
+            k = min(batch_size, xb.shape[0] - b)
+            loss_sum += deja_vu_loss(logits[b:b + k], yb[b:b + k]).item() * k
+        pred = logits >= threshold
+        yt = yb.bool()
+        tp += int((pred & yt).sum())
+        fp += int((pred & ~yt).sum())
+        fn += int((~pred & yt).sum())
+        n += yt.numel()
+    return dict(loss=loss_sum / max(rows.n, 1),
+                recall=tp / (tp + fn) if tp + fn else 1.0,
+                precision=tp / (tp + fp) if tp + fp else 1.0,
+                pred_active=(tp + fp) / max(n, 1), true_active=(tp + fn) / max(n, 1),
+                false_alarm=fp / max(n, 1))
+
+
+def heldout_metrics(pred: LayerPredictor, x: np.ndarray, m: np.ndarray, n_ff: int, threshold: float = 0.0,
+                    chunk: int = 8192) -> dict[str, float]:
+    """scikit-learn recall/precision of a runtime predictor on held-out rows, at the runtime rule.
+
+    ``x``: float16/float32 ``[N, n_embd]``; ``m``: packed masks ``[N, ceil(n_ff/8)]``. The
+    prediction is ``pred.logits(x) >= threshold`` exactly as the runtime decides. Masks are
+    flattened over tokens and neurons; counts are summed per chunk with
+    ``sklearn.metrics.confusion_matrix``, so recall and precision equal ``recall_score`` /
+    ``precision_score`` on the whole flattened arrays, in bounded memory.
+    Returns ``recall``, ``precision``, ``pred_active``, ``true_active``, ``n_tokens``.
+    """
+    from sklearn.metrics import confusion_matrix
+
+    cm = np.zeros((2, 2), dtype=np.int64)
+    for s in range(0, x.shape[0], chunk):
+        xb, yb = _rows(x, m, slice(s, s + chunk), n_ff)
+        p = (pred.logits(xb) >= threshold).numpy().ravel()
+        cm += confusion_matrix(yb.numpy().ravel().astype(bool), p, labels=[False, True]).astype(np.int64)
+    (tn, fp), (fn, tp) = cm
+    total = int(cm.sum())
+    return dict(recall=float(tp / (tp + fn)) if tp + fn else 1.0,
+                precision=float(tp / (tp + fp)) if tp + fp else 1.0,
+                pred_active=float((tp + fp) / total) if total else 0.0,
+                true_active=float((tp + fn) / total) if total else 0.0,
+                n_tokens=int(x.shape[0]))
+
+
+def _score(ev: dict[str, float]) -> float:
+    return ev["recall"] - FALSE_ALARM_COST * ev["false_alarm"]
+
+
+def _save(ckpt: dict[str, Any], path: Path) -> None:
+    with atomic_path(path) as tmp:
+        torch.save(ckpt, tmp)
+
+
+def train_layer(data: CollectedData, layer: int, hidden: int, settings: TrainSettings, work_dir: str | Path,
+                log: Callable[[str], None] | None = None, progress: bool = False) -> tuple[LayerPredictor, dict[str, Any]]:
+    """Train (or resume, or reuse) the predictor of one layer on collected pairs.
+
+    Trains on ``data``'s ``train`` split, scores each epoch on its ``heldout`` split (see
+    the module docstring for loss, optimiser and stopping) and checkpoints to
+    ``work_dir/train/layer_{layer}.pt``. A finished checkpoint with the same key is
+    returned without training.
+
+    Returns ``(predictor, info)``: the best epoch's :class:`LayerPredictor` (fp32 ``fc1``
+    ``[hidden, n_embd]``, ``fc2`` ``[n_ff, hidden]``) and a JSON-able dict with ``hidden``,
+    ``epochs`` run, ``best_epoch``, ``history`` (per-epoch train loss and held-out scores),
+    ``seconds``, ``resumed`` ("no", "partial" or "finished").
+    """
+    path = Path(work_dir) / TRAIN_DIR / f"layer_{layer}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    s = settings
+    if s.lr is None:
+        s = replace(s, lr=default_lr(data.n_embd))
+    key = dict(data=data.key, layer=layer, hidden=hidden,
+               settings={k: v for k, v in asdict(s).items() if k not in _NOT_IN_KEY})
+    key = json.loads(json.dumps(key))
+    n_embd, n_ff = data.n_embd, data.n_ff
+    torch.manual_seed(s.seed * 1000003 + layer)
+    model = Predictor(n_embd, hidden, n_ff)
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
+
+    ckpt: dict[str, Any] | None = None
+    if path.is_file():
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception:  # noqa: BLE001 - a damaged checkpoint is retrained
+            ckpt = None
+        if ckpt is not None and ckpt.get("key") != key:
+            ckpt = None
+    resumed = "no"
+    if ckpt is not None and ckpt.get("done"):
+        model.load_state_dict(ckpt["best_model"])
+        info = dict(ckpt["info"], resumed="finished")
+        if log is not None:
+            log(f"layer {layer}: finished checkpoint found, not retrained")
+        return model.to_layer_predictor(), info
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        resumed = "partial"
+    else:
+        ckpt = dict(key=key, epoch=0, best_model=None, best_score=-float("inf"), best_epoch=-1,
+                    bad_epochs=0, history=[], seconds=0.0, done=False)
+
+    train = _Split(data.inputs("train", layer), data.masks("train", layer), n_ff, s.ram_bytes)
+    heldout = _Split(data.inputs("heldout", layer), data.masks("heldout", layer), n_ff, s.ram_bytes)
+    n = train.n
+    steps_per_epoch = math.ceil(n / s.batch_size)
+    t0 = time.perf_counter() - ckpt["seconds"]
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=s.epochs, initial=ckpt["epoch"], desc=f"layer {layer} (H={hidden})", unit="epoch", leave=False)
+    try:
+        while ckpt["epoch"] < s.epochs and ckpt["bad_epochs"] < s.patience:
+            epoch = ckpt["epoch"]
+            rng = np.random.default_rng([s.seed, layer, epoch])  # same order on resume
+            perm = rng.permutation(n)
+            model.train()
+            loss_sum = 0.0
+            for k, b in enumerate(range(0, n, s.batch_size)):
+                for group in opt.param_groups:
+                    group["lr"] = lr_at(epoch * steps_per_epoch + k, s.epochs * steps_per_epoch, s.lr)
+                idx = np.sort(perm[b:b + s.batch_size])
+                xb, yb = train.get(idx)
+                loss = deja_vu_loss(model(xb), yb)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                loss_sum += loss.item() * len(idx)
+            model.eval()
+            ev = _evaluate(model, heldout, s.threshold, s.eval_rows, s.batch_size)
+            score = _score(ev)
+            ckpt["history"].append(dict(epoch=epoch, train_loss=loss_sum / n, **ev, score=score))
+            if score > ckpt["best_score"]:
+                ckpt.update(best_score=score, best_epoch=epoch, bad_epochs=0,
+                            best_model={k: v.clone() for k, v in model.state_dict().items()})
+            else:
+                ckpt["bad_epochs"] += 1
+            ckpt.update(epoch=epoch + 1, model=model.state_dict(), optimizer=opt.state_dict(),
+                        seconds=time.perf_counter() - t0)
+            _save(ckpt, path)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(recall=f"{ev['recall']:.3f}", pred=f"{ev['pred_active']:.3f}",
+                                true=f"{ev['true_active']:.3f}")
+    finally:
+        if bar is not None:
+            bar.close()
+    model.load_state_dict(ckpt["best_model"])
+    info = dict(hidden=hidden, lr=s.lr, epochs=ckpt["epoch"], best_epoch=ckpt["best_epoch"],
+                seconds=round(time.perf_counter() - t0, 3), history=ckpt["history"])
+    ckpt.update(done=True, info=info)
+    _save(ckpt, path)
+    if log is not None:
+        h = ckpt["history"][ckpt["best_epoch"]]
+        log(f"layer {layer}: H={hidden}, best epoch {ckpt['best_epoch'] + 1}/{ckpt['epoch']}, held-out recall "
+            f"{h['recall']:.3f}, predicted active {h['pred_active']:.3f} (true {h['true_active']:.3f}), "
+            f"{info['seconds']:.1f} s")
+    return model.to_layer_predictor(), dict(info, resumed=resumed)
+
+
+def train_all_layers(data: CollectedData, hidden: list[int], settings: TrainSettings, work_dir: str | Path,
+                     log: Callable[[str], None] | None = None,
+                     progress: bool = False) -> tuple[list[LayerPredictor], list[dict[str, Any]]]:
+    """Train every layer in order (:func:`train_layer`) and score it with :func:`heldout_metrics`.
+
+    ``hidden[i]``: layer ``i``'s width. Returns the predictors and per-layer dicts: the
+    training info plus ``recall``, ``precision``, ``pred_active``, ``true_active`` on the
+    held-out split at ``settings.threshold``.
+    """
+    if len(hidden) != data.n_layer:
+        raise ValueError(f"need {data.n_layer} widths, got {len(hidden)}")
+    preds, infos = [], []
+    for i in range(data.n_layer):
+        p, info = train_layer(data, i, hidden[i], settings, work_dir, log=log, progress=progress)
+        info.update(heldout_metrics(p, data.inputs("heldout", i), data.masks("heldout", i), data.n_ff,
+                                    settings.threshold, chunk=settings.eval_rows))
+        preds.append(p)
+        infos.append(info)
+    return preds, infos
+
+
+def _n_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def train_predictor_dir(model_dir: str | Path, data: str | Path, out_dir: str | Path, *,
+                        work_dir: str | Path | None = None, max_tokens: int = 65536,
+                        heldout_tokens: int | None = None, heldout_frac: float = 0.1, seq_len: int = 256,
+                        collect_batch_size: int = 16, text_field: str = "text", budget: float | None = None,
+                        hidden: int | None = None, settings: TrainSettings | None = None,
+                        threads: int | None = None, progress: bool = False,
+                        log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The ``pi-train-predictor`` stage: collect, size, train and write a predictor folder.
+
+    1. Collect (:func:`powerinfer.train_predictor.collect.collect_predictor_data`) up to
+       ``max_tokens`` training tokens from the ``train`` split of ``data`` and up to
+       ``heldout_tokens`` (default ``max_tokens // 4``) from its ``heldout`` split (the last
+       ``heldout_frac`` of the documents, :mod:`powerinfer.data`), in ``seq_len`` sequences,
+       into ``work_dir`` (default ``<out_dir>-work``; reused when the same run comes again).
+    2. Size each layer (:func:`powerinfer.train_predictor.sizing.predictor_hidden_sizes`
+       from the training masks' active share and ``budget``), or use ``hidden`` for all.
+    3. Train every layer (:func:`train_all_layers`, resumable per layer).
+    4. Write ``out_dir`` atomically with :func:`powerinfer.formats.predictor.save_predictor_dir`:
+       ``model_{i}.pt`` (fp32 ``fc1.weight`` ``[H_i, n_embd]``, ``fc2.weight`` ``[n_ff, H_i]``)
+       and ``config.json`` (``sparse_threshold``, per-layer sizes and held-out metrics,
+       settings).
+
+    ``threads``: torch CPU threads (None: :func:`powerinfer.profile.collect.torch_threads`
+    decides, separately for the model forward and for training).
+
+    Returns the config dict. Raises PowerInferError for a missing model or data, an
+    unsupported architecture, a dense activation, too little text for a held-out split,
+    or too little free disk for the collected data -- before writing ``out_dir``.
+    """
+    import shutil
+
+    from ..data import calibration_batches
+    from ..families import hf_dims
+    from ..formats.predictor import save_predictor_dir
+    from ..hf import load_hf_model, load_hf_tokenizer, resolve_model
+    from ..profile.collect import require_sparse, torch_threads
+    from .collect import collect_predictor_data, fingerprint
+    from .sizing import DEFAULT_BUDGET, predictor_hidden_sizes, predictor_params
+
+    settings = settings or TrainSettings()
+    budget = DEFAULT_BUDGET if budget is None else budget
+    heldout_tokens = heldout_tokens if heldout_tokens is not None else max(max_tokens // 4, seq_len)
+    work_dir = Path(work_dir) if work_dir is not None else Path(str(out_dir).rstrip("/") + "-work")
+    say = log or (lambda _msg: None)
+
+    family, cfg, act = resolve_model(model_dir)
+    require_sparse(act, model_dir, "predictor training")
+    dims = hf_dims(cfg)
+    n_layer, n_embd, n_ff = dims["n_layer"], dims["n_embd"], dims["n_ff"]
+    tokenizer = load_hf_tokenizer(model_dir)
+    # open both splits now: a missing file or too few documents fails before any model work
+    for split in ("train", "heldout"):
+        calibration_batches(data, tokenizer, 1, seq_len, 1, split=split, heldout=heldout_frac, text_field=text_field)
+
+    need = (max_tokens + heldout_tokens) * n_layer * (2 * n_embd + (n_ff + 7) // 8)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(work_dir).free
+    if need > free:
+        raise PowerInferError(f"{work_dir}: collecting {max_tokens + heldout_tokens} tokens needs about "
+                              f"{need / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB is free "
+                              f"(lower --max-tokens or pick another --work-dir)")
+
+    model = load_hf_model(model_dir)
+    n_params = _n_params(model)
+    key = dict(model=str(Path(model_dir).resolve()), model_files=fingerprint(model_dir),
+               data=str(data), data_files=fingerprint(data), text_field=text_field,
+               max_tokens=max_tokens, heldout_tokens=heldout_tokens, heldout_frac=heldout_frac, seq_len=seq_len)
+
+    def batches(split: str, cap: int):
+        return lambda: calibration_batches(data, tokenizer, cap, seq_len, collect_batch_size, split=split,
+                                           heldout=heldout_frac, text_field=text_field)
+
+    t0 = time.perf_counter()
+    with torch_threads(threads, collect_batch_size * seq_len * n_embd * n_ff):
+        collected = collect_predictor_data(
+            model, family, act, n_embd, n_ff,
+            {"train": batches("train", max_tokens), "heldout": batches("heldout", heldout_tokens)},
+            work_dir, key, progress=progress, log=say, totals={"train": max_tokens, "heldout": heldout_tokens})
+    t_collect = time.perf_counter() - t0
+    del model
+
+    share = collected.active_share["train"]
+    if hidden is not None:
+        widths = [int(hidden)] * n_layer
+    else:
+        widths = predictor_hidden_sizes(share, n_embd, n_ff, n_params, budget=budget)
+    p_params = predictor_params(widths, n_embd, n_ff)
+    say(f"predictor widths {widths}: {p_params} parameters, {p_params / n_params:.1%} of the model's {n_params}")
+
+    t1 = time.perf_counter()
+    with torch_threads(threads, settings.batch_size * max(widths) * (n_embd + n_ff)):
+        preds, infos = train_all_layers(collected, widths, settings, work_dir, log=say, progress=progress)
+    t_train = time.perf_counter() - t1
+
+    layers = []
+    for i, info in enumerate(infos):
+        layers.append(dict(layer=i, hidden=widths[i], sparsity=1.0 - share[i],
+                           recall=info["recall"], precision=info["precision"],
+                           pred_active=info["pred_active"], true_active=info["true_active"],
+                           heldout_tokens=info["n_tokens"], epochs=info["epochs"], best_epoch=info["best_epoch"],
+                           lr=info["lr"], train_seconds=info["seconds"], resumed=info["resumed"]))
+    config = dict(
+        sparse_threshold=float(settings.threshold),
+        model=str(model_dir), family=family.name, activation=act.kind,
+        n_layer=n_layer, n_embd=n_embd, n_ff=n_ff,
+        hidden=widths, predictor_params=p_params, model_params=n_params, predictor_share=p_params / n_params,
+        n_tokens=collected.n_tokens,
+        layers=layers,
+        seconds=dict(collect=round(t_collect, 3), train=round(t_train, 3)),
+        settings=dict(asdict(settings), data=str(data), text_field=text_field, max_tokens=max_tokens,
+                      heldout_tokens=heldout_tokens, heldout_frac=heldout_frac, seq_len=seq_len,
+                      budget=budget if hidden is None else None, fixed_hidden=hidden, threads=threads),
+        recipe=("Deja Vu: weighted BCE-with-logits (weight 1 on active neurons, batch positive rate + 0.005 "
+                "on inactive), AdamW, cosine lr; best epoch by held-out recall - "
+                f"{FALSE_ALARM_COST} x false-alarm share"),
+    )
+    save_predictor_dir(out_dir, preds, config)
+    return config
