@@ -1,6 +1,12 @@
-"""``pi-run``: generate text from a GGUF or PowerInfer GGUF (llama.cpp's flag names)."""
+"""``pi-run``: generate text from a GGUF or PowerInfer GGUF (llama.cpp's flag names).
+
+``--bench`` runs greedy decoding without printing text and reports where the
+time went: tokens/s, the FFN (and predictor) share of decode time, the mean
+share of neurons computed, and the weight bytes read per token.
+"""
 from __future__ import annotations
 
+import statistics
 import sys
 
 import click
@@ -8,19 +14,51 @@ import torch
 
 from ..errors import PowerInferError, cli_errors
 from ..formats.gguf_file import open_gguf
-from .generate import SamplerSettings, generate
+from . import kernels
+from .generate import GenStats, SamplerSettings, decode_bytes_per_token, generate
 from .hybrid import offload
 from .model import Transformer
 from .tokenizer import GGUFTokenizer, TextStream
+from .weights import DTYPES, compute_dtype
 
-DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+SMALL_MODEL_BYTES = 64 << 20  # below this many weight bytes per token, one thread is fastest
 
 
 def load_model(path: str, dtype: str = "f32", dense: bool = False, n_ctx: int | None = None):
-    """Open ``path`` and build the runtime model and its tokenizer."""
+    """Open ``path`` and build the runtime model and its tokenizer (``dtype``: auto, bf16, f32)."""
     g = open_gguf(path)
-    model = Transformer(g, DTYPES[dtype], dense=dense, n_ctx=n_ctx)
+    model = Transformer(g, compute_dtype(dtype), dense=dense, n_ctx=n_ctx)
     return model, GGUFTokenizer(g)
+
+
+def default_threads(model: Transformer) -> int:
+    """1 for small models (per-token work is too short to split), else torch's default
+    (the physical cores)."""
+    return 1 if decode_bytes_per_token(model, 1.0) < SMALL_MODEL_BYTES else torch.get_num_threads()
+
+
+def _threads() -> str:
+    n = torch.get_num_threads()
+    return f"{n} thread{'s' if n > 1 else ''}"
+
+
+def bench_report(model: Transformer, st: GenStats, path: str) -> str:
+    """The ``--bench`` summary: speed, where decode time goes, sparsity, bytes per token."""
+    mode = "dense" if model.dense else "sparse"
+    lines = [f"bench: {path} ({model.args.family.name}, {mode}, {str(model.dtype).removeprefix('torch.')}, "
+             f"kernels {kernels.backend()}, {_threads()})",
+             f"prompt: {st.n_prompt} tokens in {st.t_prompt * 1e3:.1f} ms ({st.prompt_tps:.1f} tokens/s)"]
+    if st.t_steps:
+        tps = sorted(1.0 / t for t in st.t_steps)
+        lines.append(f"decode: {st.n_eval} tokens in {st.t_gen * 1e3:.1f} ms ({st.gen_tps:.1f} tokens/s; per step "
+                     f"median {statistics.median(tps):.1f}, min {tps[0]:.1f}, max {tps[-1]:.1f} tokens/s)")
+        lines.append(f"  FFN {100 * st.ffn_share:.1f}% of decode time (predictor {100 * st.predict_share:.1f}%), "
+                     f"attention + output + rest {100 * (1 - st.ffn_share):.1f}%")
+        if st.decode_active_share is not None:
+            lines.append(f"  FFN neurons computed: {100 * st.decode_active_share:.1f}% of n_ff on average")
+        nb = decode_bytes_per_token(model, st.decode_active_share)
+        lines.append(f"  weights read: {nb / 1e6:.0f} MB per token -> {nb * st.gen_tps / 1e9:.1f} GB/s effective")
+    return "\n".join(lines) + "\n"
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -33,7 +71,8 @@ def load_model(path: str, dtype: str = "f32", dense: bool = False, n_ctx: int | 
 @click.option("--top-k", default=40, show_default=True)
 @click.option("--top-p", default=0.95, show_default=True)
 @click.option("-s", "--seed", default=-1, show_default=True, help="RNG seed (-1: random).")
-@click.option("-t", "--threads", default=0, help="CPU threads (0: torch's default).")
+@click.option("-t", "--threads", default=0,
+              help="CPU threads (0: 1 for models under 64 MB of weights per token, else torch's default).")
 @click.option("--dense", is_flag=True, help="Compute every FFN neuron even in a PWRI file.")
 @click.option("--vram-budget", type=float, default=None,
               help="GiB of GPU memory: hot FFN neurons go to the GPU, cold ones stay on the CPU.")
@@ -41,23 +80,38 @@ def load_model(path: str, dtype: str = "f32", dense: bool = False, n_ctx: int | 
               help="Activation folder for the neuron placement (default: activation/ beside the model).")
 @click.option("--reset-gpu-index", is_flag=True, help="Re-solve the placement even if a matching index exists.")
 @click.option("--disable-gpu-index", is_flag=True, help="Ignore --vram-budget and the GPU index: CPU only.")
-@click.option("--dtype", type=click.Choice(sorted(DTYPES)), default="f32", show_default=True,
-              help="Compute dtype on the CPU.")
+@click.option("--dtype", type=click.Choice(["auto", *sorted(DTYPES)]), default="auto", show_default=True,
+              help="Compute dtype on the CPU (auto: bf16 if the CPU has bf16 dot products, else f32).")
+@click.option("--kernels", "kernel_backend", type=click.Choice(["auto", "c", "torch"]), default=None,
+              help="Decode kernels: c (compiled once, fastest), torch (plain torch ops); "
+                   "default auto, or $POWERINFER_KERNELS.")
+@click.option("--bench", is_flag=True,
+              help="Greedy, ignore EOS, no text: report tokens/s, FFN share of decode time, active share.")
 @cli_errors
 def main(model_path, prompt, n_predict, ctx_size, temp, top_k, top_p, seed, threads, dense, vram_budget,
-         activation_dir, reset_gpu_index, disable_gpu_index, dtype):
+         activation_dir, reset_gpu_index, disable_gpu_index, dtype, kernel_backend, bench):
     """Generate text with sparse FFNs: only the neurons the predictor marks active are computed."""
     if n_predict < 0:
         raise PowerInferError(f"-n {n_predict}: must be >= 0")
-    if threads > 0:
-        torch.set_num_threads(threads)
+    if threads < 0:
+        raise PowerInferError(f"-t {threads}: must be >= 0")
+    if kernel_backend is not None:
+        try:
+            kernels.set_backend(kernel_backend)
+        except RuntimeError as e:
+            raise PowerInferError(f"--kernels c: {e}") from None
     model, tok = load_model(model_path, dtype, dense, ctx_size or None)
+    torch.set_num_threads(threads or default_threads(model))
     if vram_budget is not None and not disable_gpu_index:
         click.echo(offload(model, model_path, vram_budget, activation_dir, reset_gpu_index), err=True)
     ids = tok.encode(prompt)
     if len(ids) >= model.n_ctx:
         raise PowerInferError(f"prompt: {len(ids)} tokens do not fit the context length {model.n_ctx} "
                               "(shorten it or raise -c up to the model's context length)")
+    if bench:
+        st = generate(model, ids, n_predict, SamplerSettings(temp=0.0), None)
+        sys.stdout.write(bench_report(model, st, model_path))
+        return
     stream = TextStream(tok)
     out = sys.stdout
     out.write(prompt)
@@ -71,9 +125,12 @@ def main(model_path, prompt, n_predict, ctx_size, temp, top_k, top_p, seed, thre
     out.write("\n")
     mode = "dense" if model.dense else "sparse"
     err = sys.stderr
-    err.write(f"\nmodel: {model_path} ({model.args.family.name}, {mode}, {dtype}, {torch.get_num_threads()} threads)\n")
+    err.write(f"\nmodel: {model_path} ({model.args.family.name}, {mode}, {str(model.dtype).removeprefix('torch.')}, "
+              f"kernels {kernels.backend()}, {_threads()})\n")
     err.write(f"prompt eval: {st.n_prompt} tokens in {st.t_prompt * 1e3:.1f} ms ({st.prompt_tps:.1f} tokens/s)\n")
     err.write(f"generation:  {st.n_gen} tokens, {st.n_eval} evals in {st.t_gen * 1e3:.1f} ms ({st.gen_tps:.1f} tokens/s)\n")
+    if st.t_steps:
+        err.write(f"FFN share of decode time: {100 * st.ffn_share:.1f}% (predictor {100 * st.predict_share:.1f}%)\n")
     if st.active_share is not None:
         err.write(f"FFN neurons computed: {100 * st.active_share:.1f}% of n_ff on average (predicted active)\n")
 

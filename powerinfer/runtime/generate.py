@@ -2,6 +2,11 @@
 
 Sampling follows llama.cpp's order and meaning: top-k, then top-p (nucleus),
 then temperature; ``temp <= 0`` is greedy (argmax).
+
+Timing: :class:`GenStats` keeps the prompt time, every decode step's time, and
+the time the FFNs (and their predictors) took during decoding, so a run can say
+where its time went; :func:`decode_bytes_per_token` gives the weight bytes one
+decode step reads, the quantity that bounds batch-1 speed.
 """
 from __future__ import annotations
 
@@ -46,8 +51,22 @@ class GenStats:
     n_eval: int = 0  # decode forward passes timed in t_gen
     t_prompt: float = 0.0  # seconds
     t_gen: float = 0.0
-    active_share: float | None = None
+    active_share: float | None = None  # mean share of FFN neurons computed (prompt and decode)
     token_ids: list[int] = field(default_factory=list)
+    t_steps: list[float] = field(default_factory=list)  # seconds of each decode forward pass
+    cpu_gen: float = 0.0  # CPU seconds of the calling thread over t_gen (with 1 thread: time not preempted)
+    t_ffn: float = 0.0  # seconds in FFNs (predictors included) during decode passes
+    t_predict: float = 0.0  # seconds in predictors during decode passes
+    decode_active_share: float | None = None  # active share over decode tokens only
+
+    @property
+    def ffn_share(self) -> float:
+        """Share of decode time spent in the FFNs (predictors included)."""
+        return self.t_ffn / self.t_gen if self.t_gen > 0 else float("nan")
+
+    @property
+    def predict_share(self) -> float:
+        return self.t_predict / self.t_gen if self.t_gen > 0 else float("nan")
 
     @property
     def prompt_tps(self) -> float:
@@ -56,6 +75,31 @@ class GenStats:
     @property
     def gen_tps(self) -> float:
         return self.n_eval / self.t_gen if self.t_gen > 0 and self.n_eval else float("nan")
+
+
+def ffn_counters(model: Transformer) -> tuple[float, float, int, int]:
+    """``(t_ffn, t_predict, n_active, n_calls)`` summed over the model's FFNs."""
+    ffns = [layer.ffn for layer in model.layers]
+    return (sum(f.t_ffn for f in ffns), sum(f.t_predict for f in ffns),
+            sum(f.n_active for f in ffns), sum(f.n_calls for f in ffns))
+
+
+def decode_bytes_per_token(model: Transformer, active_share: float | None = None) -> int:
+    """Weight bytes one decode step reads: attention, output, predictors, and the FFN rows
+    computed (all of them when dense, ``active_share`` of them when sparse). The token
+    embedding contributes one row, which is ignored."""
+    n = model.output.numel() * model.output.element_size()
+    for layer in model.layers:
+        f = layer.ffn
+        for w in (layer.wqkv, layer.wo):
+            n += w.numel() * w.element_size()
+        parts = [f] if hasattr(f, "up") else [p for p in (f.cpu, f.gpu) if p is not None]  # HybridFFN: both sides
+        rows = sum(w.numel() * w.element_size() for p in parts for w in (p.gate, p.up, p.down_t) if w is not None)
+        if f.sparse and not model.dense:
+            n += f.fc1.numel() * f.fc1.element_size() + f.fc2.numel() * f.fc2.element_size()
+            rows *= 1.0 if active_share is None else active_share
+        n += rows
+    return int(n)
 
 
 def generate(model: Transformer, prompt_ids: list[int], n_predict: int, sampler: SamplerSettings,
@@ -79,7 +123,8 @@ def generate(model: Transformer, prompt_ids: list[int], n_predict: int, sampler:
         logits = model.forward(torch.tensor(prompt_ids, dtype=torch.long), 0)
         st.t_prompt = time.perf_counter() - t0
         pos = len(prompt_ids)
-        t0 = time.perf_counter()
+        c0 = ffn_counters(model)
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         for _ in range(n_predict):
             tok = sample(logits, sampler, gen)
             if eos_id is not None and tok == eos_id:
@@ -89,10 +134,16 @@ def generate(model: Transformer, prompt_ids: list[int], n_predict: int, sampler:
                 on_token(tok)
             if pos >= model.n_ctx or len(st.token_ids) == n_predict:
                 break
+            ts = time.perf_counter()
             logits = model.forward(torch.tensor([tok], dtype=torch.long), pos)
+            st.t_steps.append(time.perf_counter() - ts)
             pos += 1
             st.n_eval += 1
-        st.t_gen = time.perf_counter() - t0
+        st.t_gen, st.cpu_gen = time.perf_counter() - t0, time.thread_time() - cpu0
+        c1 = ffn_counters(model)
     st.n_gen = len(st.token_ids)
     st.active_share = model.active_share()
+    st.t_ffn, st.t_predict = c1[0] - c0[0], c1[1] - c0[1]
+    if not model.dense and c1[3] > c0[3]:
+        st.decode_active_share = (c1[2] - c0[2]) / ((c1[3] - c0[3]) * model.args.n_ff)
     return st

@@ -32,7 +32,7 @@ from ..errors import PowerInferError
 from ..formats.gguf_file import GGUFFile
 from .args import ModelArgs
 from .ffn import FFN
-from .kernels import linear
+from .kernels import attend_one, linear
 from .weights import load_concat, load_tensor, tensor_shape
 
 
@@ -229,6 +229,9 @@ class Transformer:
         self.cache.v[i, pos:pos + T] = v.view(T, a.n_head_kv, hd)
         S, W = pos + T, a.sliding_window
         k0 = max(0, pos + 1 - W) if W else 0  # the earliest key the first query may see
+        if T == 1:  # decode: one query against the cache
+            o = attend_one(q[0], self.cache.k[i, k0:S], self.cache.v[i, k0:S])  # [Hq, d]
+            return linear(o.reshape(1, a.n_head * hd), layer.wo, layer.bo)
         kk = self.cache.k[i, k0:S].transpose(0, 1)  # [Hkv, S - k0, d]
         vv = self.cache.v[i, k0:S].transpose(0, 1)
         mask = None

@@ -1,7 +1,31 @@
-"""Turn GGUF tensors into torch tensors for the runtime."""
+"""Turn GGUF tensors into torch tensors for the runtime, without duplicate copies.
+
+Memory rule: every weight is resident once, in the compute dtype.
+
+* When the file stores a tensor in the compute dtype, the runtime uses a view
+  of the file's memory map (zero copy; pages come from the page cache).
+* Otherwise (f16 file, bf16/f32 compute; quantized types) the tensor is
+  converted into anonymous memory and the file pages it was read from are
+  released from this process (``madvise(MADV_DONTNEED)``), so resident memory
+  is the converted copy only, not converted copy + mapped file.
+* :func:`load_rows_into` fills a slice of a preallocated tensor (e.g. Q, K and
+  V into one fused ``wqkv``), so fused layouts cost no extra copy either.
+
+Big anonymous buffers are private mappings, 2 MiB-aligned, with ``MADV_HUGEPAGE``
+(transparent huge pages where the kernel allows them): a sparse FFN reads 8 KB
+rows scattered over the whole matrix, and with 4 KB pages every row costs TLB
+misses (measured: gathers ~1.5x faster on huge pages).
+
+:func:`compute_dtype` picks the CPU compute dtype for ``--dtype auto``: bf16
+when the CPU has native bf16 dot products (AVX512_BF16, AMX-BF16, Arm BF16),
+f32 otherwise (f16 matmuls are slow on CPUs).
+"""
 from __future__ import annotations
 
+import mmap
+import platform
 import warnings
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -9,25 +33,146 @@ import torch
 from ..errors import PowerInferError
 from ..formats.gguf_file import GGUFFile
 
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+_PAGE = mmap.PAGESIZE
+_HUGE = 2 << 20
+_NATIVE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+# ---------------------------------------------------------------------------- dtype choice
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """CPU feature flags from ``/proc/cpuinfo`` (x86 ``flags``, Arm ``Features``); empty elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return frozenset(val.split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_has_bf16(flags: frozenset[str] | set[str] | None = None) -> bool:
+    """True when the CPU computes bf16 dot products natively (so bf16 matmuls are fast)."""
+    flags = cpu_flags() if flags is None else flags
+    if {"avx512_bf16", "amx_bf16"} & set(flags):
+        return True
+    return platform.machine().lower() in ("aarch64", "arm64") and "bf16" in flags
+
+
+def compute_dtype(name: str, flags: frozenset[str] | set[str] | None = None) -> torch.dtype:
+    """``auto`` | ``bf16`` | ``f32`` -> torch dtype. ``auto``: bf16 if :func:`cpu_has_bf16`, else f32."""
+    if name == "auto":
+        return torch.bfloat16 if cpu_has_bf16(flags) else torch.float32
+    if name not in DTYPES:
+        raise PowerInferError(f"--dtype {name!r}: expected auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+# ---------------------------------------------------------------------------- allocation
+def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor; big ones (>= 2 MiB) in huge-page-advised anonymous memory."""
+    n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    if n < _HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(shape, dtype=dtype)
+    buf = mmap.mmap(-1, n + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # kept alive by the tensor
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # THP disabled: plain pages
+        pass
+    raw = torch.frombuffer(buf, dtype=torch.uint8)
+    off = -raw.data_ptr() % _HUGE  # start on a 2 MiB boundary so whole huge pages back it
+    return raw[off:off + n].view(dtype).view(shape)
+
+
+# ---------------------------------------------------------------------------- reading
+def _tensor(g: GGUFFile, name: str):
+    t = g.tensors.get(name)
+    if t is None:
+        raise PowerInferError(f"{g.path}: tensor {name!r} is missing")
+    return t
+
+
+def _as_torch(g: GGUFFile, name: str, t) -> torch.Tensor:
+    """The tensor's data as torch, torch order: a view of the map, or dequantized (a copy)."""
+    kind = t.tensor_type.name
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the map is read-only; we never write to weights
+        if kind in ("F32", "F16"):
+            return torch.from_numpy(t.data)
+        if kind == "BF16":  # the reader gives raw bytes [..., 2 n]
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            return torch.from_numpy(t.data).view(torch.bfloat16).view(shape)
+    from gguf import quants
+
+    try:
+        return torch.from_numpy(quants.dequantize(np.asarray(t.data), t.tensor_type))
+    except NotImplementedError:
+        raise PowerInferError(f"{g.path}: tensor {name!r} has type {kind}, not supported") from None
+
+
+def _release(g: GGUFFile, t) -> None:
+    """Drop the file pages under tensor ``t`` from this process (they stay in the page cache)."""
+    mm = getattr(g.reader.data, "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise"):
+        return
+    start = (t.data_offset + _PAGE - 1) // _PAGE * _PAGE
+    end = (t.data_offset + t.n_bytes) // _PAGE * _PAGE
+    if end > start:
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (OSError, ValueError):
+            pass
+
+
+def is_mapped(g: GGUFFile, x: torch.Tensor) -> bool:
+    """True when ``x``'s memory lies inside ``g``'s memory map (a zero-copy weight)."""
+    base = g.reader.data.ctypes.data
+    return base <= x.data_ptr() < base + g.reader.data.nbytes
+
 
 def load_tensor(g: GGUFFile, name: str, dtype: torch.dtype) -> torch.Tensor:
     """A GGUF tensor as a torch tensor in torch order, ``dtype``.
 
-    Zero-copy (a view of the memory map) when the file already stores ``dtype``.
+    Zero-copy (a view of the memory map) when the file already stores ``dtype``;
+    otherwise one converted copy, with the mapped file pages released.
     Raises PowerInferError for a missing tensor or an unsupported GGML type.
     """
-    t = g.tensors.get(name)
-    if t is None:
-        raise PowerInferError(f"{g.path}: tensor {name!r} is missing")
-    data = t.data
-    if t.tensor_type.name not in ("F32", "F16", "BF16"):
-        from gguf import quants
+    t = _tensor(g, name)
+    src = _as_torch(g, name, t)
+    if _NATIVE.get(t.tensor_type.name) == dtype:
+        return src
+    out = empty(src.shape, dtype)
+    out.copy_(src)
+    _release(g, t)
+    return out
 
-        try:
-            data = quants.dequantize(np.asarray(t.data), t.tensor_type)
-        except NotImplementedError:
-            raise PowerInferError(f"{g.path}: tensor {name!r} has type {t.tensor_type.name}, not supported") from None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the map is read-only; we never write to weights
-        out = torch.from_numpy(data)
-    return out if out.dtype == dtype else out.to(dtype)
+
+def tensor_shape(g: GGUFFile, name: str) -> tuple[int, ...]:
+    """Torch-order shape of a GGUF tensor (no data read)."""
+    return tuple(int(d) for d in reversed(_tensor(g, name).shape.tolist()))
+
+
+def load_rows_into(g: GGUFFile, name: str, out: torch.Tensor) -> None:
+    """Copy tensor ``name`` into ``out`` (same shape, any dtype/strides), then release its pages."""
+    t = _tensor(g, name)
+    src = _as_torch(g, name, t)
+    if tuple(src.shape) != tuple(out.shape):
+        raise PowerInferError(f"{g.path}: tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(out.shape)}")
+    out.copy_(src)
+    _release(g, t)
+
+
+def load_concat(g: GGUFFile, names: list[str], dtype: torch.dtype) -> torch.Tensor:
+    """Tensors ``names`` (same trailing dims) stacked along dim 0 into one new tensor, no temporaries."""
+    shapes = [tensor_shape(g, n) for n in names]
+    if any(s[1:] != shapes[0][1:] for s in shapes):
+        raise PowerInferError(f"{g.path}: {', '.join(names)} have shapes {shapes} that do not stack")
+    out = empty((sum(s[0] for s in shapes), *shapes[0][1:]), dtype)
+    r = 0
+    for n, s in zip(names, shapes):
+        load_rows_into(g, n, out[r:r + s[0]])
+        r += s[0]
+    return out

@@ -1,0 +1,257 @@
+/* Batch-1 decode kernels for the CPU: dot products of one activation vector with all or
+ * with selected rows of a weight matrix, and weighted sums of selected rows.
+ *
+ * Built at run time by kernels.py (cc -O3 -march=native -fopenmp) and called through
+ * ctypes. Threads come from torch's OpenMP runtime (the same libgomp.so.1), so
+ * torch.set_num_threads governs them.
+ *
+ * dt 0: f32 weights, f32 activations. dt 1: bf16 weights, bf16 activations (a bf16 model
+ * keeps its activations in bf16, so nothing is rounded here), multiplied with AVX512_BF16
+ * dot-product instructions and summed in fp32. Results are always f32.
+ *
+ * Gathers visit the active rows in index order and prefetch the row `pfd` positions ahead
+ * while reading the current one: scattered 8 KB rows then keep enough memory requests in
+ * flight to run near streaming speed (the hardware prefetcher alone stops at each row).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stddef.h>
+#include <omp.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+/* Below this many weights a call runs on the calling thread: waking the team costs more. */
+#define PAR_MIN (1 << 18)
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+static inline float load1(const void *p, int64_t i, int dt) {
+    return dt == 1 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+#ifdef __AVX512F__
+static inline __m512 load16(const void *p, int64_t i, int dt) {  /* 16 values as f32 */
+    if (dt == 1) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+    }
+    return _mm512_loadu_ps((const float *)p + i);
+}
+#endif
+
+static inline void prefetch_span(const char *p, int64_t nbytes) {
+    for (int64_t b = 0; b < nbytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+}
+
+/* row . x over K elements (both of type dt); prefetches the same span of `next` (or NULL). */
+static inline float dot(const void *row, const void *x, int64_t K, int dt, const char *next) {
+    const int es = dt == 1 ? 2 : 4;
+    int64_t i = 0;
+    float acc = 0.f;
+#if defined(__AVX512BF16__)
+    if (dt == 1) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+        const uint16_t *w = (const uint16_t *)row, *xv = (const uint16_t *)x;
+        for (; i + 64 <= K; i += 64) {
+            if (next) prefetch_span(next + 2 * i, 128);
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + i), (__m512bh)_mm512_loadu_si512(xv + i));
+            a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + i + 32), (__m512bh)_mm512_loadu_si512(xv + i + 32));
+        }
+        acc = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    } else
+#endif
+    {
+#ifdef __AVX512F__
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+        for (; i + 64 <= K; i += 64) {
+            if (next) prefetch_span(next + es * i, 64 * es);
+            a0 = _mm512_fmadd_ps(load16(row, i, dt), load16(x, i, dt), a0);
+            a1 = _mm512_fmadd_ps(load16(row, i + 16, dt), load16(x, i + 16, dt), a1);
+            a2 = _mm512_fmadd_ps(load16(row, i + 32, dt), load16(x, i + 32, dt), a2);
+            a3 = _mm512_fmadd_ps(load16(row, i + 48, dt), load16(x, i + 48, dt), a3);
+        }
+        acc = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+#else
+        float a[16] = {0};
+        for (; i + 16 <= K; i += 16) {
+            if (next) prefetch_span(next + es * i, 16 * es);
+            for (int l = 0; l < 16; l++) a[l] += load1(row, i + l, dt) * load1(x, i + l, dt);
+        }
+        for (int l = 0; l < 16; l++) acc += a[l];
+#endif
+    }
+    for (; i < K; i++) acc += load1(row, i, dt) * load1(x, i, dt);
+    return acc;
+}
+
+/* Rows [r0, r1) of a team's work when `nt` threads split n rows (contiguous blocks). */
+static inline void split(int64_t n, int nt, int t, int64_t *r0, int64_t *r1) {
+    const int64_t blk = (n + nt - 1) / nt;
+    *r0 = t * blk < n ? t * blk : n;
+    *r1 = *r0 + blk < n ? *r0 + blk : n;
+}
+
+/* The loops live in plain functions called with constant dt, so each dtype gets its own
+ * specialised code and nothing is reloaded from an OpenMP closure inside the loop. */
+static inline void gemv_range(int dt, const char *w, int64_t r0, int64_t r1, int64_t K, const void *x, float *y) {
+    const int64_t rb = K * (dt == 1 ? 2 : 4);
+    for (int64_t r = r0; r < r1; r++) y[r] = dot(w + r * rb, x, K, dt, NULL);
+}
+
+static void gemv_any(int dt, const char *w, int64_t r0, int64_t r1, int64_t K, const void *x, float *y) {
+    if (dt == 1) gemv_range(1, w, r0, r1, K, x, y);
+    else gemv_range(0, w, r0, r1, K, x, y);
+}
+
+/* y[r] = W[r] . x for r < n (W [n, K]): a dense matrix-vector product. */
+void pi_gemv(int dt, const void *W, int64_t n, int64_t K, const void *x, float *y) {
+    if (n * K < PAR_MIN || omp_get_max_threads() == 1) {
+        gemv_any(dt, (const char *)W, 0, n, K, x, y);
+        return;
+    }
+    #pragma omp parallel
+    {
+        int64_t r0, r1;
+        split(n, omp_get_num_threads(), omp_get_thread_num(), &r0, &r1);
+        gemv_any(dt, (const char *)W, r0, r1, K, x, y);
+    }
+}
+
+static inline void rows_range(int dt, const char *w1, const char *w2, const int64_t *idx, int64_t r0, int64_t r1,
+                              int64_t n, int64_t K, const void *x, float *y1, float *y2, int pfd) {
+    const int64_t rb = K * (dt == 1 ? 2 : 4);
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t j = idx[r], jn = (pfd > 0 && r + pfd < n) ? idx[r + pfd] : -1;
+        y1[r] = dot(w1 + j * rb, x, K, dt, jn >= 0 ? w1 + jn * rb : NULL);
+        if (w2) y2[r] = dot(w2 + j * rb, x, K, dt, jn >= 0 ? w2 + jn * rb : NULL);
+    }
+}
+
+static void rows_any(int dt, const char *w1, const char *w2, const int64_t *idx, int64_t r0, int64_t r1,
+                     int64_t n, int64_t K, const void *x, float *y1, float *y2, int pfd) {
+    if (dt == 1) rows_range(1, w1, w2, idx, r0, r1, n, K, x, y1, y2, pfd);
+    else rows_range(0, w1, w2, idx, r0, r1, n, K, x, y1, y2, pfd);
+}
+
+/* y1[r] = W1[idx[r]] . x and, if W2, y2[r] = W2[idx[r]] . x, for r < n (idx ascending).
+ * While neuron idx[r] is read, the rows of idx[r + pfd] are prefetched. */
+void pi_dot_rows(int dt, const void *W1, const void *W2, const int64_t *idx, int64_t n, int64_t K,
+                 const void *x, float *y1, float *y2, int pfd) {
+    if (n * K < PAR_MIN || omp_get_max_threads() == 1) {
+        rows_any(dt, (const char *)W1, (const char *)W2, idx, 0, n, n, K, x, y1, y2, pfd);
+        return;
+    }
+    #pragma omp parallel
+    {
+        int64_t r0, r1;
+        split(n, omp_get_num_threads(), omp_get_thread_num(), &r0, &r1);
+        rows_any(dt, (const char *)W1, (const char *)W2, idx, r0, r1, n, K, x, y1, y2, pfd);
+    }
+}
+
+static inline void axpy_range(int dt, const char *w, const int64_t *idx, const float *coef, int64_t n, int64_t D,
+                              int64_t d0, int64_t d1, float *out, int pfd) {
+    const int es = dt == 1 ? 2 : 4;
+    const int64_t rb = D * es;
+    for (int64_t d = d0; d < d1; d++) out[d] = 0.f;
+    for (int64_t r = 0; r < n && d0 < d1; r++) {
+        const char *row = w + idx[r] * rb;
+        const char *next = (pfd > 0 && r + pfd < n) ? w + idx[r + pfd] * rb : NULL;
+        const float c = coef[r];
+        int64_t d = d0;
+#ifdef __AVX512F__
+        const __m512 cv = _mm512_set1_ps(c);
+        for (; d + 32 <= d1; d += 32) {
+            if (next) prefetch_span(next + d * es, 32 * es);
+            _mm512_storeu_ps(out + d, _mm512_fmadd_ps(cv, load16(row, d, dt), _mm512_loadu_ps(out + d)));
+            _mm512_storeu_ps(out + d + 16, _mm512_fmadd_ps(cv, load16(row, d + 16, dt), _mm512_loadu_ps(out + d + 16)));
+        }
+#endif
+        for (; d < d1; d++) {
+            if (next && (d - d0) % 32 == 0) prefetch_span(next + d * es, 32 * es);
+            out[d] += c * load1(row, d, dt);
+        }
+    }
+}
+
+static void axpy_any(int dt, const char *w, const int64_t *idx, const float *coef, int64_t n, int64_t D,
+                     int64_t d0, int64_t d1, float *out, int pfd) {
+    if (dt == 1) axpy_range(1, w, idx, coef, n, D, d0, d1, out, pfd);
+    else axpy_range(0, w, idx, coef, n, D, d0, d1, out, pfd);
+}
+
+/* out[d] = sum_r coef[r] * W[idx[r], d] for d < D (W [*, D] of type dt; coef, out f32).
+ * Each thread owns a slice of d (whole cache lines) and walks every selected row. */
+void pi_axpy_rows(int dt, const void *W, const int64_t *idx, const float *coef, int64_t n, int64_t D,
+                  float *out, int pfd) {
+    if (n * D < PAR_MIN || omp_get_max_threads() == 1) {
+        axpy_any(dt, (const char *)W, idx, coef, n, D, 0, D, out, pfd);
+        return;
+    }
+    #pragma omp parallel
+    {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t blk = ((D + nt - 1) / nt + 31) / 32 * 32;
+        const int64_t d0 = t * blk < D ? t * blk : D, d1 = d0 + blk < D ? d0 + blk : D;
+        axpy_any(dt, (const char *)W, idx, coef, n, D, d0, d1, out, pfd);
+    }
+}
+
+/* One query token against the KV cache (decode attention), softmax(q k^T * scale) v per head.
+ * q [Hq, d] and K, V [S, Hkv, d] (position stride `ps` elements) of type dt; scores [Hq, S]
+ * and out [Hq, d] f32. Query head h reads KV head h / (Hq / Hkv) (grouped-query attention). */
+static inline void attend_heads(int dt, const char *q, const char *K, const char *V, int64_t S, int64_t Hq,
+                                int64_t Hkv, int64_t d, int64_t ps, float scale, float *scores, float *out,
+                                int64_t h0, int64_t h1) {
+    /* position-major loops: the cache is read in memory order, one position's heads at a time */
+    const int es = dt == 1 ? 2 : 4;
+    const int64_t group = Hq / Hkv;
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t h = h0; h < h1; h++)
+            scores[h * S + s] = scale * dot(K + (s * ps + h / group * d) * es, q + h * d * es, d, dt, NULL);
+    for (int64_t h = h0; h < h1; h++) {
+        float *sc = scores + h * S, mx = -INFINITY, sum = 0.f;
+        for (int64_t s = 0; s < S; s++) mx = sc[s] > mx ? sc[s] : mx;
+        for (int64_t s = 0; s < S; s++) sum += (sc[s] = expf(sc[s] - mx));
+        for (int64_t s = 0; s < S; s++) sc[s] /= sum;
+        for (int64_t e = 0; e < d; e++) out[h * d + e] = 0.f;
+    }
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t h = h0; h < h1; h++) {
+            const char *row = V + (s * ps + h / group * d) * es;
+            const float p = scores[h * S + s];
+            float *o = out + h * d;
+            int64_t e = 0;
+#ifdef __AVX512F__
+            const __m512 pv = _mm512_set1_ps(p);
+            for (; e + 16 <= d; e += 16)
+                _mm512_storeu_ps(o + e, _mm512_fmadd_ps(pv, load16(row, e, dt), _mm512_loadu_ps(o + e)));
+#endif
+            for (; e < d; e++) o[e] += p * load1(row, e, dt);
+        }
+}
+
+static void attend_any(int dt, const char *q, const char *K, const char *V, int64_t S, int64_t Hq, int64_t Hkv,
+                       int64_t d, int64_t ps, float scale, float *scores, float *out, int64_t h0, int64_t h1) {
+    if (dt == 1) attend_heads(1, q, K, V, S, Hq, Hkv, d, ps, scale, scores, out, h0, h1);
+    else attend_heads(0, q, K, V, S, Hq, Hkv, d, ps, scale, scores, out, h0, h1);
+}
+
+void pi_attend_one(int dt, const void *q, const void *K, const void *V, int64_t S, int64_t Hq, int64_t Hkv,
+                   int64_t d, int64_t ps, float scale, float *scores, float *out) {
+    if (Hq * S * d < PAR_MIN / 4 || omp_get_max_threads() == 1) {
+        attend_any(dt, q, K, V, S, Hq, Hkv, d, ps, scale, scores, out, 0, Hq);
+        return;
+    }
+    #pragma omp parallel
+    {
+        int64_t h0, h1;
+        split(Hq, omp_get_num_threads(), omp_get_thread_num(), &h0, &h1);
+        attend_any(dt, q, K, V, S, Hq, Hkv, d, ps, scale, scores, out, h0, h1);
+    }
+}
