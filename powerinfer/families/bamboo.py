@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Family, register_family
-from .llama import LLAMA_LAYER, LLAMA_RULES
+from .base import register_family
+from .llama import RELU_LLAMA
 
 
 def _bamboo_kv(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -24,19 +24,11 @@ def _bamboo_kv(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"bamboo.attention.sliding_window": int(w)} if w else {}
 
 
-BAMBOO = register_family(Family(
+BAMBOO = register_family(RELU_LLAMA.replace(
     name="bamboo",
     hf_architectures=("BambooForCausalLM",),
     hf_model_types=("bamboo",),
     gguf_arch="bamboo",
     ffn="dreglu",
-    layers_attr="model.layers",
-    gate_attr="mlp.gate_proj",
-    up_attr="mlp.up_proj",
-    down_attr="mlp.down_proj",
-    predictor_input_attr="post_attention_layernorm",
-    tensor_rules=LLAMA_RULES,
-    gguf_layer_tensors=LLAMA_LAYER,
-    gguf_global_tensors=("token_embd", "output_norm", "output"),
     gguf_kv=_bamboo_kv,
 ))
