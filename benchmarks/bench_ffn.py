@@ -100,9 +100,14 @@ def main(argv: list[str] | None = None) -> None:
         esz = x.element_size()
         it = iter(range(1 << 30))
         L = a.layers
+
+        def sparse_rows():
+            i = next(it)
+            return sparse[i % L](x, x, masks[i % 64])
+
         cases = [
             ("dense FFN", lambda: dense[next(it) % L](x, x), 3 * Fn * D * esz),
-            ("sparse FFN rows", lambda: sparse[next(it) % L](x, x, masks[next(it) % 64]), 3 * share * Fn * D * esz),
+            ("sparse FFN rows", sparse_rows, 3 * share * Fn * D * esz),
             ("predictor", lambda: sparse[next(it) % L].predict(x), (H * D + Fn * H) * esz),
         ]
         for threads in (int(t) for t in a.threads.split(",")):
@@ -121,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
                         med = statistics.median(ts)
                         print(f"{threads:>7} {dname:>5} {be:>7} {name:<16} {med * 1e3:9.3f} {min(ts) * 1e3:7.3f} "
                               f"{nbytes / 1e6:8.1f} {nbytes / med / 1e9:6.1f} {bw:8.1f}", flush=True)
-        del gate, up, down_t, fc1, fc2, dense, sparse
+        cases = dense = sparse = []  # free this dtype's weights before the next
     kernels.set_backend("auto")
 
 

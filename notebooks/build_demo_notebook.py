@@ -33,7 +33,7 @@ cells = [
     md("## 1. Profile: how often does each FFN neuron fire?"),
     code("sh('pi-profile', MODEL, '--data', DATA, '--out', OUT / 'activation')"),
     code("counts = load_activation_dir(OUT / 'activation', n_layer=n_layer, n_ff=n_ff)\n"
-         "stats = load_activation_stats(OUT / 'activation')\nn_tok = stats['tokens']\n"
+         "stats = load_activation_stats(OUT / 'activation')\nn_tok = stats['n_tokens']\n"
          "fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))\nfor i, c in enumerate(counts):\n"
          "    f = np.sort(c.numpy())[::-1] / n_tok\n    ax[0].loglog(np.arange(1, n_ff + 1), f, label=f'layer {i}')\n"
          "    ax[1].plot(np.arange(1, n_ff + 1) / n_ff, np.cumsum(f) / f.sum(), label=f'layer {i}')\n"
