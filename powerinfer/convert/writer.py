@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 # Falcon's "ln_attn.bias" is a weight).
 _SKIP_SUFFIXES = (".rotary_emb.inv_freq", ".attn.masked_bias", ".attn.bias")
 
+UPSTREAM_SMALL_FFN = 1000  # upstream ggml.c: sparse FFNs with n_ff <= this take a broken block path
+
 OUTTYPES = {"f16": (np.float16, gguf.GGMLQuantizationType.F16), "f32": (np.float32, gguf.GGMLQuantizationType.F32)}
 
 
@@ -203,6 +205,14 @@ def convert(model_dir: str | Path, outfile: str | Path, pred_dir: str | Path | N
         if outtype == "f32":
             log.warning("f32 output: upstream PowerInfer's CPU kernel reads ffn_down_t only as f16/Q4_0 "
                         "and computes garbage from f32; use this file with pi-run only")
+        if dims["n_ff"] <= UPSTREAM_SMALL_FFN:
+            log.warning("n_ff %d <= %d: upstream PowerInfer's CPU build routes such small FFNs to a block "
+                        "kernel that ignores the predictor (ggml.c, mul_mat_sparse_head) and prints garbage; "
+                        "the file is correct and pi-run runs it", dims["n_ff"], UPSTREAM_SMALL_FFN)
+    elif family.gguf_arch == "llama" and act.kind != "silu":
+        log.warning("dense %s GGUF: upstream PowerInfer and llama.cpp run dense llama files with SiLU and "
+                    "ignore powerinfer.activation; this file is for pi-run (convert with predictors for upstream)",
+                    act.kind)
     tensors = HFTensors(model_dir)
     plan = _plan(family, cfg, dims, tensors, sparse, predictors, model_dir)
     np_dtype, qtype = OUTTYPES[outtype]
