@@ -68,8 +68,8 @@ def load_hf_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> 
         kwargs.update(config=config, generation_config=GenerationConfig.from_model_config(config))
     try:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
-    except (OSError, ValueError) as e:
-        raise PowerInferError(f"{model_dir}: could not load the model weights ({e})") from None
+    except Exception as e:  # noqa: BLE001 - OSError, ValueError, SafetensorError, ... all mean bad files
+        raise PowerInferError(f"{model_dir}: could not load the model weights ({str(e).splitlines()[0]})") from None
     return model.eval()
 
 

@@ -8,11 +8,11 @@ OUT=${1:-out/demo}
 MODEL=powerinfer/assets/stories260K-relu
 DATA=powerinfer/assets/calibration.txt
 
-if ! command -v pi-run >/dev/null 2>&1 || ! python -c "import powerinfer" 2>/dev/null; then
-  echo "== installing (torch CPU wheel, then this package)"
-  python -m pip install --quiet "torch==2.13.0"
-  python -m pip install --quiet -e ".[test]"
-fi
+echo "== installing into $(command -v python) (CPU torch wheel, then this package; quick when already there)"
+python -m pip install --quiet "torch==2.13.0"
+python -m pip install --quiet -e ".[test]"
+BIN=$(python -c 'import os, sys; print(os.path.dirname(sys.executable))')
+export PATH="$BIN:$PATH"  # the pi-* scripts of this interpreter, not another install's
 mkdir -p "$OUT"
 
 echo "== 1/4 pi-profile: which FFN neurons fire on the calibration text"

@@ -97,7 +97,7 @@ def test_offload_builds_index_and_splits(sparse_file, tmp_path):
     assert "reused" in offload(Transformer(open_gguf(p)), p, 1.0, device="cpu")
 
 
-def test_pi_run_without_cuda_warns_and_runs_on_cpu(sparse_file):
+def test_pi_run_without_cuda_warns_and_runs_on_cpu(sparse_file, caplog):
     from click.testing import CliRunner
 
     from powerinfer.runtime.cli import main
@@ -106,4 +106,4 @@ def test_pi_run_without_cuda_warns_and_runs_on_cpu(sparse_file):
     path, *_ = sparse_file
     r = CliRunner().invoke(main, ["-m", str(path), "-n", "4", "--temp", "0", "--vram-budget", "1"])
     assert r.exit_code == 0, r.output
-    assert "no CUDA device" in r.output
+    assert "no CUDA device" in caplog.text

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import click
 
-from ..errors import cli_errors
+from ..errors import PowerInferError, cli_errors
+from ..families import hf_dims, read_hf_config
+from ..formats.activation import load_activation_dir
 from .gpu_index import ensure_gpu_index
 from .writer import OUTTYPES, convert
 
@@ -28,11 +30,18 @@ from .writer import OUTTYPES, convert
 def main(model_dir, pred_dir, outfile, outtype, sparse_threshold, vram_budget, activation_dir):
     """Write MODEL_DIR as a PowerInfer GGUF with the predictors in PRED_DIR, or a dense GGUF without."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    act_dir = Path(activation_dir) if activation_dir else Path(model_dir) / "activation"
+    if vram_budget is not None:  # check the placement inputs before writing anything
+        if vram_budget < 0:
+            raise PowerInferError(f"--vram-budget {vram_budget}: must be >= 0 GiB")
+        if activation_dir is not None or act_dir.is_dir():
+            dims = hf_dims(read_hf_config(model_dir))
+            load_activation_dir(act_dir, n_layer=dims["n_layer"], n_ff=dims["n_ff"])
     out = convert(model_dir, outfile, pred_dir, outtype, sparse_threshold)
     kind = "PowerInfer GGUF (PWRI, sparse)" if pred_dir else "dense GGUF"
     click.echo(f"wrote {out} ({kind}, {out.stat().st_size / 1e6:.2f} MB)")
     if vram_budget is not None:
-        plan = ensure_gpu_index(out, vram_budget, activation_dir or Path(model_dir) / "activation", reset=True)
+        plan = ensure_gpu_index(out, vram_budget, act_dir, reset=True)
         if plan is not None:
             click.echo(f"wrote {plan.path}: {plan.summary}")
 

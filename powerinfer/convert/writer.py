@@ -29,6 +29,7 @@ activation from the architecture name, the model's real context length
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -202,6 +203,8 @@ def convert(model_dir: str | Path, outfile: str | Path, pred_dir: str | Path | N
         predictors = load_predictor_dir(pred_dir, dims["n_layer"], dims["n_embd"], dims["n_ff"])
         if sparse_threshold is None:
             sparse_threshold = float(read_predictor_config(pred_dir).get("sparse_threshold", 0.0))
+        if not math.isfinite(sparse_threshold):
+            raise PowerInferError(f"--sparse-threshold {sparse_threshold}: must be a finite number")
         if outtype == "f32":
             log.warning("f32 output: upstream PowerInfer's CPU kernel reads ffn_down_t only as f16/Q4_0 "
                         "and computes garbage from f32; use this file with pi-run only")

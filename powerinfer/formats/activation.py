@@ -22,6 +22,7 @@ from ._atomic import atomic_dir
 
 STATS_FILE = "powerinfer_stats.json"
 _NAME = re.compile(r"activation_(\d+)\.pt")
+OWNED = r"activation_\d+\.pt|powerinfer_stats\.json|\.gitkeep"  # what an activation folder may hold
 MAX_LAYERS = 4096
 MAX_N_FF = 1 << 22
 
@@ -29,7 +30,7 @@ MAX_N_FF = 1 << 22
 def save_activation_dir(out_dir: str | Path, counts: Sequence[torch.Tensor], stats: dict[str, Any] | None = None) -> Path:
     """Write per-layer counts (each 1-D, length n_ff) and an optional stats dict, atomically."""
     out_dir = Path(out_dir)
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, OWNED) as tmp:
         for i, c in enumerate(counts):
             if c.dim() != 1:
                 raise ValueError(f"layer {i}: counts must be 1-D, got shape {tuple(c.shape)}")
@@ -70,6 +71,21 @@ def check_layers(found: dict[int, Path], folder: Path, template: str, n_layer: i
     return L
 
 
+def torch_load(p: Path):
+    """``torch.load(p, weights_only=True)``: tensors and plain containers only, never pickled code.
+
+    Raises PowerInferError naming the file when it is not a readable torch file or holds
+    anything but tensors and plain containers.
+    """
+    try:
+        return torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is bad input
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "weights_only" in str(e) or "Weights only" in first:
+            first = "it holds objects other than tensors, refused for safety"
+        raise PowerInferError(f"{p}: not a readable torch tensor file ({first})") from None
+
+
 def load_activation_dir(folder: str | Path, n_layer: int | None = None, n_ff: int | None = None) -> list[torch.Tensor]:
     """Read ``activation_{i}.pt`` for i = 0..L-1 as float64 tensors of length n_ff.
 
@@ -83,10 +99,7 @@ def load_activation_dir(folder: str | Path, n_layer: int | None = None, n_ff: in
     out: list[torch.Tensor] = []
     for i in range(L):
         p = found[i]
-        try:
-            t = torch.load(p, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - any unreadable file is bad input
-            raise PowerInferError(f"{p}: not a readable torch file ({type(e).__name__}: {e})") from None
+        t = torch_load(p)
         if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_complex() or t.dtype == torch.bool:
             raise PowerInferError(f"{p}: expected a 1-D tensor of activation counts")
         if t.numel() == 0 or t.numel() > MAX_N_FF:

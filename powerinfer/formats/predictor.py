@@ -20,10 +20,11 @@ import torch
 
 from ..errors import PowerInferError
 from ._atomic import atomic_dir
-from .activation import check_layers, layer_files
+from .activation import check_layers, layer_files, torch_load
 
 CONFIG_FILE = "config.json"
 _NAME = re.compile(r"model_(\d+)\.pt")
+OWNED = r"model_\d+\.pt|config\.json|\.gitkeep"  # what a predictor folder may hold
 MAX_HIDDEN = 1 << 16
 
 
@@ -45,7 +46,7 @@ class LayerPredictor:
 
 def save_predictor_dir(out_dir: str | Path, layers: Sequence[LayerPredictor], config: dict[str, Any]) -> Path:
     """Write ``model_{i}.pt`` and ``config.json`` atomically (``config`` must hold sparse_threshold)."""
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, OWNED) as tmp:
         for i, lp in enumerate(layers):
             sd = {"fc1.weight": lp.fc1.detach().float().cpu().contiguous().clone(),
                   "fc2.weight": lp.fc2.detach().float().cpu().contiguous().clone()}
@@ -82,10 +83,7 @@ def load_predictor_dir(folder: str | Path, n_layer: int, n_embd: int, n_ff: int)
     out = []
     for i in range(n_layer):
         p = found[i]
-        try:
-            sd = torch.load(p, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001
-            raise PowerInferError(f"{p}: not a readable torch file ({type(e).__name__}: {e})") from None
+        sd = torch_load(p)
         if not isinstance(sd, dict) or set(sd) != {"fc1.weight", "fc2.weight"}:
             keys = sorted(sd) if isinstance(sd, dict) else type(sd).__name__
             raise PowerInferError(f"{p}: expected exactly fc1.weight and fc2.weight, found {keys}")

@@ -243,10 +243,13 @@ def profile_model_dir(model_dir: str | Path, data: str | Path, out_dir: str | Pa
     """
     from ..data import calibration_batches
     from ..formats.activation import save_activation_dir
+    from ..formats._atomic import check_replaceable
+    from ..formats.activation import OWNED as ACTIVATION_OWNED
     from ..hf import load_hf_model, load_hf_tokenizer, resolve_model
 
     family, cfg, act = resolve_model(model_dir)
     require_sparse(act, model_dir, "profiling")
+    check_replaceable(Path(out_dir), ACTIVATION_OWNED)
     dims = hf_dims(cfg)
     tokenizer = load_hf_tokenizer(model_dir)
     batches = calibration_batches(data, tokenizer, max_tokens, seq_len, batch_size, split="all",

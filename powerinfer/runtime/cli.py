@@ -6,6 +6,7 @@ share of neurons computed, and the weight bytes read per token.
 """
 from __future__ import annotations
 
+import logging
 import statistics
 import sys
 
@@ -91,8 +92,11 @@ def bench_report(model: Transformer, st: GenStats, path: str) -> str:
 def main(model_path, prompt, n_predict, ctx_size, temp, top_k, top_p, seed, threads, dense, vram_budget,
          activation_dir, reset_gpu_index, disable_gpu_index, dtype, kernel_backend, bench):
     """Generate text with sparse FFNs: only the neurons the predictor marks active are computed."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     if n_predict < 0:
         raise PowerInferError(f"-n {n_predict}: must be >= 0")
+    if ctx_size < 0:
+        raise PowerInferError(f"-c {ctx_size}: must be >= 0 (0: the model's context length)")
     if threads < 0:
         raise PowerInferError(f"-t {threads}: must be >= 0")
     if kernel_backend is not None:
@@ -103,7 +107,9 @@ def main(model_path, prompt, n_predict, ctx_size, temp, top_k, top_p, seed, thre
     model, tok = load_model(model_path, dtype, dense, ctx_size or None)
     torch.set_num_threads(threads or default_threads(model))
     if vram_budget is not None and not disable_gpu_index:
-        click.echo(offload(model, model_path, vram_budget, activation_dir, reset_gpu_index), err=True)
+        summary = offload(model, model_path, vram_budget, activation_dir, reset_gpu_index)
+        if summary is not None:
+            click.echo(summary, err=True)
     ids = tok.encode(prompt)
     if len(ids) >= model.n_ctx:
         raise PowerInferError(f"prompt: {len(ids)} tokens do not fit the context length {model.n_ctx} "

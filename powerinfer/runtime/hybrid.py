@@ -115,8 +115,10 @@ def place_ffns(model, gpu_masks: list[np.ndarray], device: torch.device | str) -
 
 
 def offload(model, model_path, vram_budget_gib: float, activation_dir=None, reset: bool = False,
-            device: str | None = None) -> str:
-    """``pi-run --vram-budget``: build or reuse the GPU index and split every FFN; returns a summary line.
+            device: str | None = None) -> str | None:
+    """``pi-run --vram-budget``: build or reuse the GPU index and split every FFN.
+
+    Returns a summary line, or None (after a logged warning) when nothing was placed.
 
     Without CUDA (and no explicit ``device``) it warns and leaves the model on the CPU. A
     budget above the device's free memory is clamped with a warning. Raises
@@ -130,7 +132,7 @@ def offload(model, model_path, vram_budget_gib: float, activation_dir=None, rese
     if device is None:
         if not torch.cuda.is_available():
             log.warning("no CUDA device: --vram-budget ignored, every neuron runs on the CPU")
-            return "no CUDA device: CPU only"
+            return None
         device = "cuda"
         free = torch.cuda.mem_get_info()[0] / GIB
         if vram_budget_gib > free:
@@ -138,8 +140,8 @@ def offload(model, model_path, vram_budget_gib: float, activation_dir=None, rese
                         vram_budget_gib, free, free)
             vram_budget_gib = free
     plan = ensure_gpu_index(model_path, vram_budget_gib, activation_dir, n_ctx=model.n_ctx, reset=reset)
-    if plan is None:
-        return "no activation folder: CPU only"
+    if plan is None:  # ensure_gpu_index warned
+        return None
     share = place_ffns(model, plan.gpu, device)
     how = "reused" if plan.reused else "built"
     return f"GPU index {how} ({plan.path}): {share:.1%} of FFN neurons on {device}; {plan.summary}"

@@ -364,6 +364,8 @@ def train_predictor_dir(model_dir: str | Path, data: str | Path, out_dir: str | 
     from ..data import calibration_batches
     from ..families import hf_dims
     from ..formats.predictor import save_predictor_dir
+    from ..formats._atomic import check_replaceable
+    from ..formats.predictor import OWNED as PREDICTOR_OWNED
     from ..hf import load_hf_model, load_hf_tokenizer, resolve_model
     from ..profile.collect import require_sparse, torch_threads
     from .collect import collect_predictor_data, fingerprint
@@ -377,6 +379,7 @@ def train_predictor_dir(model_dir: str | Path, data: str | Path, out_dir: str | 
 
     family, cfg, act = resolve_model(model_dir)
     require_sparse(act, model_dir, "predictor training")
+    check_replaceable(Path(out_dir), PREDICTOR_OWNED)
     dims = hf_dims(cfg)
     n_layer, n_embd, n_ff = dims["n_layer"], dims["n_embd"], dims["n_ff"]
     tokenizer = load_hf_tokenizer(model_dir)
