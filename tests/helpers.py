@@ -43,3 +43,24 @@ def make_tiny_llama(out_dir: Path, n_layer: int = 3, hidden_act: str = "relu", n
         shutil.copy(STORIES / "hf" / name, out_dir / name)
         (out_dir / name).chmod(0o644)
     return out_dir
+
+
+def teacher_forced(model, ids, n_prefill):
+    """Logits ``[len(ids), V]``: a ``n_prefill``-token prompt, then one cached decode step per token."""
+    import torch
+
+    with torch.inference_mode():
+        out = [model.forward(torch.tensor(ids[:n_prefill]), 0, all_logits=True)]
+        for pos in range(n_prefill, len(ids)):
+            out.append(model.forward(torch.tensor([ids[pos]]), pos)[None])
+    return torch.cat(out)
+
+
+def all_active_predictors(folder, n_embd, n_ff, n_layer):
+    """Predictors with fc1 = 0: every logit is 0 >= threshold 0, so every neuron is predicted active."""
+    import torch
+
+    from powerinfer.formats.predictor import LayerPredictor, save_predictor_dir
+
+    layers = [LayerPredictor(torch.zeros(4, n_embd), torch.randn(n_ff, 4)) for _ in range(n_layer)]
+    return save_predictor_dir(folder, layers, {"sparse_threshold": 0.0})

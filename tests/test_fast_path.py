@@ -14,7 +14,7 @@ from powerinfer.runtime import kernels
 from powerinfer.runtime.model import Transformer
 from powerinfer.runtime.weights import compute_dtype, cpu_has_bf16, is_mapped
 
-from helpers import make_tiny_llama
+from helpers import all_active_predictors, make_tiny_llama, teacher_forced
 
 BACKENDS = ["torch", "c"]
 
@@ -103,40 +103,26 @@ def test_c_backend_builds_here_with_a_compiler():
 
 
 # ---------------------------------------------------------------------------- whole model
-def _all_active_predictors(folder, n_embd, n_ff, n_layer):
-    """fc1 = 0: every logit is 0 >= threshold 0, so every neuron is predicted active."""
-    layers = [LayerPredictor(torch.zeros(4, n_embd), torch.randn(n_ff, 4)) for _ in range(n_layer)]
-    return save_predictor_dir(folder, layers, {"sparse_threshold": 0.0})
-
-
 @pytest.fixture(scope="module")
 def all_active_file(tmp_path_factory, relu_hf):
     tmp = tmp_path_factory.mktemp("fast")
     cfg = json.loads((relu_hf / "config.json").read_text())
-    pred = _all_active_predictors(tmp / "pred", cfg["hidden_size"], cfg["intermediate_size"],
+    pred = all_active_predictors(tmp / "pred", cfg["hidden_size"], cfg["intermediate_size"],
                                   cfg["num_hidden_layers"])
     return convert(relu_hf, tmp / "m.powerinfer.gguf", pred, outtype="f32", progress=False)
-
-
-def _teacher_forced(model, ids, n_prefill):
-    with torch.inference_mode():
-        out = [model.forward(torch.tensor(ids[:n_prefill]), 0, all_logits=True)]
-        for pos in range(n_prefill, len(ids)):
-            out.append(model.forward(torch.tensor([ids[pos]]), pos)[None])
-    return torch.cat(out)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sparse_with_every_neuron_active_equals_dense(backend, dtype, all_active_file):
     ids = [1, 403, 407, 261, 378, 432, 383, 286, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310, 311]
     sparse = Transformer(open_gguf(all_active_file), dtype)
-    a = _teacher_forced(sparse, ids, 6)
-    b = _teacher_forced(Transformer(open_gguf(all_active_file), dtype, dense=True), ids, 6)
+    a = teacher_forced(sparse, ids, 6)
+    b = teacher_forced(Transformer(open_gguf(all_active_file), dtype, dense=True), ids, 6)
     assert sparse.active_share() == 1.0
     if dtype == torch.float32:
         assert (a - b).abs().max().item() <= 1e-4 * max(1.0, b.std().item())
     else:  # bf16 rounds at different points in the two paths; both track the f32 model as closely
-        ref = _teacher_forced(Transformer(open_gguf(all_active_file), torch.float32, dense=True), ids, 6)
+        ref = teacher_forced(Transformer(open_gguf(all_active_file), torch.float32, dense=True), ids, 6)
         for got in (a, b):
             assert (got - ref).abs().max().item() <= 0.2 * ref.std().item()
             assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9

@@ -107,3 +107,11 @@ def test_pi_run_without_cuda_warns_and_runs_on_cpu(sparse_file, caplog):
     r = CliRunner().invoke(main, ["-m", str(path), "-n", "4", "--temp", "0", "--vram-budget", "1"])
     assert r.exit_code == 0, r.output
     assert "no CUDA device" in caplog.text
+
+
+def test_split_ffn_time_is_counted_for_bench(sparse_file):
+    path, L, n_ff = sparse_file
+    m = Transformer(open_gguf(path))
+    place_ffns(m, _masks("partial", L, n_ff), "cpu")
+    generate(m, [1, 403], 4, SamplerSettings(temp=0.0))
+    assert all(l.ffn.t_ffn > l.ffn.t_predict > 0 for l in m.layers)

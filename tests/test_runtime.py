@@ -8,12 +8,11 @@ import torch
 
 from powerinfer.convert.writer import convert
 from powerinfer.formats.gguf_file import open_gguf
-from powerinfer.formats.predictor import LayerPredictor, save_predictor_dir
 from powerinfer.hf import load_hf_model, load_hf_tokenizer
 from powerinfer.runtime.generate import SamplerSettings, generate
 from powerinfer.runtime.model import Transformer
 
-from helpers import STORIES, story_text
+from helpers import STORIES, all_active_predictors, story_text, teacher_forced
 
 GREEDY = SamplerSettings(temp=0.0)
 
@@ -50,12 +49,6 @@ def test_dense_logits_equal_transformers_prefill_and_decode(which, request, tmp_
             assert (step - ref[pos]).abs().max().item() <= 1e-4, f"decode step at position {pos}"
 
 
-def all_active_predictors(folder, n_embd, n_ff, n_layer):
-    """Predictors with fc1 = 0: every logit is 0 >= threshold 0, so every neuron is predicted active."""
-    layers = [LayerPredictor(torch.zeros(4, n_embd), torch.randn(n_ff, 4)) for _ in range(n_layer)]
-    return save_predictor_dir(folder, layers, {"sparse_threshold": 0.0})
-
-
 @pytest.fixture()
 def relu_sparse_files(relu_hf, tmp_path):
     cfg = json.loads((relu_hf / "config.json").read_text())
@@ -66,21 +59,13 @@ def relu_sparse_files(relu_hf, tmp_path):
     return dense, sparse
 
 
-def _teacher_forced(model, ids, n_prefill):
-    with torch.inference_mode():
-        out = [model.forward(torch.tensor(ids[:n_prefill]), 0, all_logits=True)]
-        for pos in range(n_prefill, len(ids)):
-            out.append(model.forward(torch.tensor([ids[pos]]), pos)[None])
-    return torch.cat(out)
-
-
 def test_sparse_with_oracle_masks_equals_dense(relu_hf, relu_sparse_files):
     dense_path, sparse_path = relu_sparse_files
     ids = _prompt_ids(relu_hf)[:48]
-    dense = _teacher_forced(Transformer(open_gguf(dense_path)), ids, 32)
+    dense = teacher_forced(Transformer(open_gguf(dense_path)), ids, 32)
     sparse_model = Transformer(open_gguf(sparse_path))
     sparse_model.oracle_masks()
-    sparse = _teacher_forced(sparse_model, ids, 32)
+    sparse = teacher_forced(sparse_model, ids, 32)
     assert (sparse - dense).abs().max().item() <= 1e-4
     # the oracle really skipped neurons: the raw ReLU model is about half sparse
     assert sparse_model.active_share() < 0.7
@@ -89,9 +74,9 @@ def test_sparse_with_oracle_masks_equals_dense(relu_hf, relu_sparse_files):
 def test_sparse_with_every_neuron_predicted_equals_dense(relu_hf, relu_sparse_files):
     dense_path, sparse_path = relu_sparse_files
     ids = _prompt_ids(relu_hf)[:40]
-    dense = _teacher_forced(Transformer(open_gguf(dense_path)), ids, 8)
+    dense = teacher_forced(Transformer(open_gguf(dense_path)), ids, 8)
     m = Transformer(open_gguf(sparse_path))
-    sparse = _teacher_forced(m, ids, 8)
+    sparse = teacher_forced(m, ids, 8)
     assert m.active_share() == 1.0
     assert (sparse - dense).abs().max().item() <= 1e-4
 
@@ -99,8 +84,8 @@ def test_sparse_with_every_neuron_predicted_equals_dense(relu_hf, relu_sparse_fi
 def test_dense_flag_on_pwri_file_matches_dense_file(relu_hf, relu_sparse_files):
     dense_path, sparse_path = relu_sparse_files
     ids = _prompt_ids(relu_hf)[:20]
-    a = _teacher_forced(Transformer(open_gguf(dense_path)), ids, 10)
+    a = teacher_forced(Transformer(open_gguf(dense_path)), ids, 10)
     m = Transformer(open_gguf(sparse_path), dense=True)
-    b = _teacher_forced(m, ids, 10)
+    b = teacher_forced(m, ids, 10)
     assert m.active_share() is None
     assert (a - b).abs().max().item() <= 1e-4

@@ -9,6 +9,7 @@ extent is checked against the file size so a truncated file fails cleanly.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +70,9 @@ class GGUFFile:
             raise PowerInferError(f"{self.path}: metadata key {key!r} is missing")
         return v
 
-    @property
+    @cached_property
     def tensors(self) -> dict[str, Any]:
+        """Tensors by name (built once: model loading looks names up hundreds of times)."""
         return {t.name: t for t in self.reader.tensors}
 
     @property

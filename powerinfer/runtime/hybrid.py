@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import numpy as np
 import torch
@@ -86,8 +87,16 @@ class HybridFFN:
 
     def __call__(self, h: torch.Tensor, xn: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Same contract as :meth:`FFN.__call__`: ``[T, D]`` output on the CPU."""
+        t0 = time.perf_counter()
+        try:
+            return self._forward(h, xn, mask, t0)
+        finally:
+            self.t_ffn += time.perf_counter() - t0
+
+    def _forward(self, h: torch.Tensor, xn: torch.Tensor, mask: torch.Tensor | None, t0: float) -> torch.Tensor:
         if mask is None and self.sparse:
             mask = self.predict(h)
+            self.t_predict += time.perf_counter() - t0
         if mask is not None:
             self.n_calls += xn.shape[0]
             self.n_active += int(mask.sum())
