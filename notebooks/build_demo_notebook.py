@@ -20,7 +20,7 @@ cells = [
     code("import json, subprocess, time\nfrom pathlib import Path\n\nimport matplotlib.pyplot as plt\n"
          "import numpy as np\n\nimport powerinfer\nfrom powerinfer.formats.activation import load_activation_dir, "
          "load_activation_stats\nfrom powerinfer.formats.predictor import load_predictor_dir, read_predictor_config\n"
-         "from powerinfer.train_predictor.collect import CollectedData\n"
+         "from powerinfer.formats.collected import CollectedData\n"
          "from powerinfer.train_predictor.train import heldout_metrics\n\n"
          "MODEL, DATA = powerinfer.DEMO_MODEL, powerinfer.DEMO_CALIBRATION\n"
          "OUT = Path('../out/notebook').resolve(); OUT.mkdir(parents=True, exist_ok=True)\n"

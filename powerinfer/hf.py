@@ -54,6 +54,22 @@ def _adapted_config(model_dir: str | Path):
     return AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
 
 
+def load_hf_config(model_dir: str | Path):
+    """The transformers config object of a local folder (legacy Falcon keys adapted), read offline.
+
+    Raises PowerInferError naming ``config.json`` for unsupported or unreadable configs.
+    """
+    from transformers import AutoConfig
+
+    config = _adapted_config(model_dir)
+    if config is not None:
+        return config
+    try:
+        return AutoConfig.from_pretrained(str(model_dir), local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as e:
+        raise PowerInferError(f"{Path(model_dir) / 'config.json'}: could not read it ({str(e).splitlines()[0]})") from None
+
+
 def load_hf_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The transformers ``*ForCausalLM`` for a local folder, in eval mode, on CPU.
 

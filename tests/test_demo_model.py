@@ -18,7 +18,7 @@ from powerinfer.profile.collect import profile_model_dir
 from powerinfer.runtime.generate import SamplerSettings, generate
 from powerinfer.runtime.model import Transformer
 from powerinfer.runtime.tokenizer import GGUFTokenizer
-from powerinfer.train_predictor.train import train_predictor_dir
+from powerinfer.train_predictor.stage import train_predictor_dir
 
 MODEL, DATA = powerinfer.DEMO_MODEL, powerinfer.DEMO_CALIBRATION
 

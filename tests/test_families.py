@@ -304,7 +304,8 @@ def test_profile_counts_follow_the_familys_active_rule(fam):
 # --------------------------------------------------------------------------- the whole pipeline
 def test_profile_train_convert_run_with_no_hand_edits(fam, tmp_path):
     from powerinfer.profile.collect import profile_model_dir
-    from powerinfer.train_predictor.train import TrainSettings, train_predictor_dir
+    from powerinfer.train_predictor.stage import train_predictor_dir
+    from powerinfer.train_predictor.train import TrainSettings
 
     data = need(SHARED / "data" / "tinystories" / "tinystories_val.txt")
     stats = profile_model_dir(fam.dir, data, tmp_path / "act", max_tokens=128, seq_len=64, batch_size=2)

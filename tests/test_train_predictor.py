@@ -9,17 +9,17 @@ import torch
 from click.testing import CliRunner
 from sklearn.metrics import precision_score, recall_score
 
-import powerinfer.train_predictor.collect as collect_mod
+import powerinfer.calibrate.stream as stream_mod
 import powerinfer.train_predictor.train as train_mod
 from powerinfer.data import calibration_batches, iter_documents
 from powerinfer.errors import PowerInferError
 from powerinfer.formats.predictor import load_predictor_dir
 from powerinfer.hf import load_hf_tokenizer
 from powerinfer.train_predictor.cli import main as train_main
-from powerinfer.train_predictor.collect import CollectedData, unpack_mask
+from powerinfer.formats.collected import CollectedData, unpack_mask
 from powerinfer.train_predictor.sizing import predictor_hidden_sizes, predictor_params, size_rule
-from powerinfer.train_predictor.train import (Predictor, TrainSettings, deja_vu_loss, heldout_metrics,
-                                              train_predictor_dir)
+from powerinfer.train_predictor.stage import train_predictor_dir
+from powerinfer.train_predictor.train import (Predictor, TrainSettings, deja_vu_loss, heldout_metrics)
 
 from helpers import SHARED, make_tiny_llama, need, story_text
 
@@ -206,7 +206,8 @@ def test_resume_continues_interrupted_layer_and_skips_finished_ones(tiny_relu, c
     def boom(*a, **k):
         raise AssertionError("should not run")
 
-    monkeypatch.setattr(collect_mod, "_collect_split", boom)
+    monkeypatch.setattr(stream_mod, "_run_layer", boom)
+    monkeypatch.setattr(stream_mod.LayerStack, "layer_inputs", boom)
     cfg = _run(tiny_relu, corpus, tmp_path, "b", "work-b")
     assert [l["resumed"] for l in cfg["layers"]] == ["finished", "finished"]
     assert _same(_weights(tmp_path / "b"), _weights(tmp_path / "ref"))

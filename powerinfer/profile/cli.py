@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 import click
 
+from ..calibrate.options import calibration_options
 from ..errors import cli_errors
 
 __all__ = ["main", "format_table"]
@@ -50,18 +51,17 @@ def profile_table(stats: dict[str, Any]) -> str:
               help="Stop after this many calibration tokens.")
 @click.option("--seq-len", default=256, show_default=True, type=click.IntRange(min=2),
               help="Tokens per packed sequence (BOS + text).")
-@click.option("--batch-size", default=16, show_default=True, type=click.IntRange(min=1),
-              help="Sequences per forward pass.")
 @click.option("--text-field", default="text", show_default=True, help="JSON field holding the text.")
-@click.option("--threads", default=None, type=click.IntRange(min=1),
-              help="CPU threads for torch [default: 1 for tiny models, else torch's choice].")
+@calibration_options("--forward-batch", "--batch-size")
 @cli_errors
-def main(model_dir: Path, data: str, out_dir: Path, max_tokens: int, seq_len: int, batch_size: int,
-         text_field: str, threads: int | None) -> None:
+def main(model_dir: Path, data: str, out_dir: Path, max_tokens: int, seq_len: int, text_field: str,
+         device: str, dtype: str | None, threads: int | None, forward_batch: int, work_dir: Path | None) -> None:
     """Profile MODEL_DIR (a Hugging Face model folder with a ReLU-family FFN).
 
     Counts, per layer, how many calibration tokens activate each FFN neuron, and writes
-    the counts PowerInfer's neuron placement reads.
+    the counts PowerInfer's neuron placement reads. The model is streamed from its
+    checkpoint one decoder layer at a time; run it under `torchrun --nproc-per-node N`
+    to share the text between processes.
     """
     from .collect import profile_model_dir
 
@@ -69,7 +69,11 @@ def main(model_dir: Path, data: str, out_dir: Path, max_tokens: int, seq_len: in
 
     hf_logging.disable_progress_bar()  # our own tqdm bars say what is going on
     stats = profile_model_dir(model_dir, data, out_dir, max_tokens=max_tokens, seq_len=seq_len,
-                              batch_size=batch_size, text_field=text_field, threads=threads, progress=True)
+                              batch_size=forward_batch, text_field=text_field, threads=threads, progress=True,
+                              log=lambda msg: click.echo(msg, err=True), device=device, dtype=dtype,
+                              work_dir=work_dir)
+    if stats is None:  # not rank 0 of a torchrun job
+        return
     click.echo(profile_table(stats))
     click.echo(f"{stats['n_tokens']} tokens, mean sparsity {stats['mean_sparsity']:.3f}, "
                f"{stats['seconds']:.2f} s -> {out_dir}")

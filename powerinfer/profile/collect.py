@@ -29,93 +29,11 @@ import numpy as np
 import torch
 
 from ..errors import PowerInferError
-from ..families import Activation, Family, get_attr, hf_dims, model_layers
+from ..calibrate.hooks import ActiveNeuronHooks, require_sparse, torch_threads
+from ..families import Activation, Family, hf_dims, model_layers
 
 __all__ = ["ActiveNeuronHooks", "forward_layers", "count_active_neurons", "activation_stats",
            "require_sparse", "torch_threads", "profile_model_dir"]
-
-MaskCallback = Callable[[int, torch.Tensor], None]
-SMALL_MATMUL_MACS = 1 << 28
-
-
-@contextlib.contextmanager
-def torch_threads(threads: int | None, largest_matmul_macs: float) -> Iterator[int]:
-    """Run the block with ``threads`` torch CPU threads (restored afterwards).
-
-    ``threads=None`` picks: 1 thread when the largest matrix product of the work is under
-    ``SMALL_MATMUL_MACS`` multiply-adds (2^28; e.g. the 260K-parameter demo model), where
-    starting and synchronising threads costs more than it saves -- several times more on
-    a busy machine -- and torch's default otherwise. Yields the thread count used.
-    """
-    before = torch.get_num_threads()
-    n = threads if threads is not None else (1 if largest_matmul_macs < SMALL_MATMUL_MACS else before)
-    torch.set_num_threads(n)
-    try:
-        yield n
-    finally:
-        torch.set_num_threads(before)
-
-
-class ActiveNeuronHooks:
-    """Forward hooks that report each layer's FFN active mask while the model runs.
-
-    For every decoder layer ``i`` (``family.layers_attr``) the hooks capture the outputs of
-    ``family.gate_attr`` (if the family has a gate) and ``family.up_attr`` -- the
-    pre-activations ``[B, T, n_ff]`` -- and, once both are in, call
-    ``on_mask(i, mask)`` with ``mask = family.active_mask(act, gate, up)`` flattened to
-    bool ``[N, n_ff]``, one row per real token (rows are in ``[B, T]`` row-major order).
-
-    Set :attr:`token_mask` (bool ``[B, T]``, True = real token) before a forward pass of
-    a padded batch to drop padding rows; None (default) keeps every position.
-
-    Use as a context manager; the hooks are removed on exit.
-    """
-
-    def __init__(self, model: torch.nn.Module, family: Family, act: Activation, on_mask: MaskCallback):
-        self.family, self.act, self.on_mask = family, act, on_mask
-        self.token_mask: torch.Tensor | None = None
-        self.layers = model_layers(family, model)
-        self._handles: list[Any] = []
-        self._pending: list[dict[str, torch.Tensor]] = [{} for _ in self.layers]
-
-    def __enter__(self) -> "ActiveNeuronHooks":
-        fam = self.family
-        for i, layer in enumerate(self.layers):
-            names = ["up"] + (["gate"] if fam.gated else [])
-            for name in names:
-                attr = fam.gate_attr if name == "gate" else fam.up_attr
-                try:
-                    module = get_attr(layer, attr)
-                except AttributeError:
-                    self.__exit__(None, None, None)
-                    raise PowerInferError(f"layer {i} has no module {attr!r} (family {fam.name})") from None
-                self._handles.append(module.register_forward_hook(self._hook(i, name)))
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self._pending = [{} for _ in self.layers]
-
-    def rows(self, t: torch.Tensor) -> torch.Tensor:
-        """``[B, T, D]`` -> ``[N, D]``: the rows of real tokens (all rows if no token_mask)."""
-        if self.token_mask is None:
-            return t.reshape(-1, t.shape[-1])
-        return t[self.token_mask.to(device=t.device, dtype=torch.bool)]
-
-    def _hook(self, i: int, name: str):
-        need = 2 if self.family.gated else 1
-
-        def hook(module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> None:
-            pending = self._pending[i]
-            pending[name] = output.detach()
-            if len(pending) == need:
-                mask = self.family.active_mask(self.act, pending.get("gate"), pending["up"])
-                self._pending[i] = {}
-                self.on_mask(i, self.rows(mask))
-
-        return hook
 
 
 def forward_layers(model: torch.nn.Module, input_ids: torch.Tensor,
@@ -217,66 +135,79 @@ def activation_stats(counts: Sequence[torch.Tensor], n_tokens: int) -> dict[str,
                 layers=layers)
 
 
-def require_sparse(act: Activation, model_dir: str | Path, what: str) -> None:
-    """Raise PowerInferError unless ``act`` is a ReLU-family (sparse) activation."""
-    if not act.is_sparse:
-        raise PowerInferError(
-            f"{Path(model_dir) / 'config.json'}: activation {act.kind!r} is dense (every neuron fires for "
-            f"every token), so {what} needs a ReLU-family model (hidden_act relu or fatrelu)")
-
-
 def profile_model_dir(model_dir: str | Path, data: str | Path, out_dir: str | Path, *,
                       max_tokens: int | None = 65536, seq_len: int = 256, batch_size: int = 16,
                       text_field: str = "text", threads: int | None = None, progress: bool = False,
-                      log: Callable[[str], None] | None = None) -> dict[str, Any]:
+                      log: Callable[[str], None] | None = None, device: str = "cpu", dtype: str | None = None,
+                      work_dir: str | Path | None = None, stop_after: int | None = None) -> dict[str, Any] | None:
     """The ``pi-profile`` stage: count activations of a HF model folder and write ``out_dir``.
 
-    Loads the model (fp32, CPU) and its tokenizer, packs ``data`` (see
-    :mod:`powerinfer.data`; all documents, capped at ``max_tokens``) into ``[batch_size,
-    seq_len]`` batches, counts active neurons per layer and writes ``activation_{i}.pt``
-    (int64 ``[n_ff]``) plus ``powerinfer_stats.json`` (:func:`activation_stats` and the
-    settings) atomically via :func:`powerinfer.formats.activation.save_activation_dir`.
-    ``threads``: torch CPU threads (None: :func:`torch_threads` decides).
+    Packs ``data`` (:mod:`powerinfer.data`; all documents, capped at ``max_tokens``) into
+    ``[batch_size, seq_len]`` batches and streams them through the model one decoder layer
+    at a time (:func:`powerinfer.calibrate.stream.stream_calibration`: memory is one layer,
+    not the model), on ``device`` (``cpu``, ``cuda``, ``cuda:N``) in ``dtype`` (``f32``,
+    ``bf16``, ``f16``; None: bf16 on a GPU, f32 on the CPU). Under ``torchrun`` each
+    process takes a share of the batches and the counts are all-reduced. Then writes
+    ``activation_{i}.pt`` (int64 ``[n_ff]``) plus ``powerinfer_stats.json``
+    (:func:`activation_stats`, settings and per-layer timings under ``stream``) atomically
+    via :func:`powerinfer.formats.activation.save_activation_dir`.
 
-    Returns the stats dict. Raises PowerInferError for a missing model/data, an
-    unsupported architecture or a dense (non-ReLU) activation -- before writing anything.
+    ``work_dir`` (default ``<out_dir>-work``) holds the resumable state: a killed run
+    restarts at the layer it was in; it is removed after success. ``threads``: torch CPU
+    threads (None: :func:`torch_threads` decides). ``stop_after``: stop after that many
+    layers without writing ``out_dir`` (returns None; for tests of resuming).
+
+    Returns the stats dict (None on ranks other than 0 of a torchrun job). Raises
+    PowerInferError for a missing model/data, an unsupported architecture or a dense
+    (non-ReLU) activation -- before writing anything.
     """
-    from ..data import calibration_batches
-    from ..formats.activation import save_activation_dir
+    import shutil
+
+    from ..calibrate.plan import build_plan
+    from ..calibrate.session import check_disk, open_session, run_key
+    from ..calibrate.stream import STREAM_DIR, stream_calibration
     from ..formats._atomic import check_replaceable
     from ..formats.activation import OWNED as ACTIVATION_OWNED
-    from ..hf import load_hf_model, load_hf_tokenizer, resolve_model
+    from ..formats.activation import save_activation_dir
+    from ..hf import load_hf_tokenizer
 
-    family, cfg, act = resolve_model(model_dir)
-    require_sparse(act, model_dir, "profiling")
+    session = open_session(model_dir, "profiling", device, dtype)
     check_replaceable(Path(out_dir), ACTIVATION_OWNED)
-    dims = hf_dims(cfg)
+    work_dir = Path(work_dir) if work_dir is not None else Path(str(out_dir).rstrip("/") + "-work")
+    dims = session.dims
     tokenizer = load_hf_tokenizer(model_dir)
-    batches = calibration_batches(data, tokenizer, max_tokens, seq_len, batch_size, split="all",
-                                  text_field=text_field)
-    model = load_hf_model(model_dir)
+    plan = build_plan(str(data), tokenizer, {"all": max_tokens}, seq_len, batch_size, text_field=text_field)
+    check_disk(work_dir, plan.total_tokens // session.dist.world + seq_len * batch_size, session, pairs=False)
+    key = run_key(model_dir, data, max_tokens=max_tokens, seq_len=seq_len, batch_size=batch_size,
+                  text_field=text_field)
     t0 = time.perf_counter()
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=max_tokens, unit="tok", desc="profile", leave=False)
-    try:
-        with torch_threads(threads, batch_size * seq_len * dims["n_embd"] * dims["n_ff"]):
-            counts, n_tokens = count_active_neurons(model, family, act, batches,
-                                                    progress=bar.update if bar is not None else None)
-    finally:
-        if bar is not None:
-            bar.close()
+    with torch_threads(threads, batch_size * seq_len * dims["n_embd"] * dims["n_ff"]):
+        res = stream_calibration(model_dir, session.family, session.act, plan, work_dir, key, dtype=session.dtype,
+                                 device=session.device, dist=session.dist, progress=progress, log=log,
+                                 stop_after=stop_after)
     seconds = time.perf_counter() - t0
-    for i, c in enumerate(counts):
-        if c.numel() != dims["n_ff"]:
-            raise PowerInferError(f"layer {i}: counted {c.numel()} neurons but config says n_ff = {dims['n_ff']}")
+    if len(res.layer_seconds) < res.n_layer:
+        return None
+    counts = res.all_counts()
+    n_tokens = sum(res.n_tokens.values())
     stats = activation_stats(counts, n_tokens)
-    stats.update(model=str(model_dir), data=str(data), family=family.name, activation=act.kind,
-                 n_ff=dims["n_ff"], n_embd=dims["n_embd"], seconds=round(seconds, 3),
+    stats.update(model=str(model_dir), data=str(data), family=session.family.name, activation=session.act.kind,
+                 n_ff=dims["n_ff"], n_embd=dims["n_embd"], seconds=round(seconds, 3), stream=res.summary(),
                  settings=dict(max_tokens=max_tokens, seq_len=seq_len, batch_size=batch_size,
-                               text_field=text_field, threads=threads))
-    save_activation_dir(out_dir, counts, stats)
-    if log is not None:
+                               text_field=text_field, threads=threads, device=str(session.device),
+                               dtype=session.dtype_name, world_size=session.dist.world))
+    if session.dist.is_main:
+        save_activation_dir(out_dir, counts, stats)
+    session.dist.barrier()
+    shutil.rmtree(work_dir / STREAM_DIR / f"rank{session.dist.rank}of{session.dist.world}", ignore_errors=True)
+    session.dist.barrier()
+    if session.dist.is_main:
+        for p in (work_dir / STREAM_DIR, work_dir):  # only if nothing else is in there
+            try:
+                p.rmdir()
+            except OSError:
+                break
+    session.dist.close()
+    if log is not None and session.dist.is_main:
         log(f"profiled {n_tokens} tokens in {seconds:.2f} s ({n_tokens / max(seconds, 1e-9):.0f} tok/s)")
-    return stats
+    return stats if session.dist.is_main else None

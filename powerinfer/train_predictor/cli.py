@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from ..calibrate.options import calibration_options
 from ..errors import cli_errors
 from ..profile.cli import format_table
 
@@ -55,22 +56,27 @@ def predictor_table(config: dict[str, Any]) -> str:
               help="Use this width for every layer instead of the budget rule.")
 @click.option("--threshold", default=0.0, show_default=True, type=float,
               help="sparse_threshold: a neuron is predicted active when its logit >= this.")
-@click.option("--work-dir", default=None, type=click.Path(path_type=Path),
-              help="Collected data and per-layer checkpoints, reused on re-runs [default: OUT-work].")
 @click.option("--text-field", default="text", show_default=True, help="JSON field holding the text.")
-@click.option("--threads", default=None, type=click.IntRange(min=1),
-              help="CPU threads for torch [default: 1 for tiny models, else torch's choice].")
+@click.option("--activation-out", default=None, type=click.Path(path_type=Path),
+              help="Also write pi-profile's activation folder from the same pass (counts over both splits), "
+                   "so a large model is read from disk once.")
+@calibration_options("--forward-batch")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed for initialisation and shuffling.")
 @cli_errors
 def main(model_dir: Path, data: str, out_dir: Path, max_tokens: int, heldout_tokens: int | None,
          heldout_frac: float, seq_len: int, epochs: int, patience: int, batch_size: int, lr: float | None,
-         budget: float | None, hidden: int | None, threshold: float, work_dir: Path | None, text_field: str,
-         threads: int | None, seed: int) -> None:
+         budget: float | None, hidden: int | None, threshold: float, text_field: str, activation_out: Path | None,
+         device: str, dtype: str | None, threads: int | None, forward_batch: int, work_dir: Path | None,
+         seed: int) -> None:
     """Train activation predictors for MODEL_DIR (a Hugging Face model folder with a ReLU-family FFN).
 
-    Re-running with the same arguments reuses the collected data and skips finished layers.
+    The model is streamed from its checkpoint one decoder layer at a time. Re-running
+    with the same arguments reuses the collected data, resumes a killed pass at its layer
+    and skips finished predictors. Under `torchrun --nproc-per-node N` the processes share
+    the calibration text, then the layers' training.
     """
-    from .train import TrainSettings, train_predictor_dir
+    from .stage import train_predictor_dir
+    from .train import TrainSettings
 
     from transformers.utils import logging as hf_logging
 
@@ -80,7 +86,11 @@ def main(model_dir: Path, data: str, out_dir: Path, max_tokens: int, heldout_tok
     cfg = train_predictor_dir(model_dir, data, out_dir, work_dir=work_dir, max_tokens=max_tokens,
                               heldout_tokens=heldout_tokens, heldout_frac=heldout_frac, seq_len=seq_len,
                               text_field=text_field, budget=budget, hidden=hidden, settings=settings,
-                              threads=threads, progress=True, log=lambda msg: click.echo(msg, err=True))
+                              threads=threads, progress=True, log=lambda msg: click.echo(msg, err=True),
+                              device=device, dtype=dtype, collect_batch_size=forward_batch,
+                              activation_out=activation_out)
+    if cfg is None:  # not rank 0 of a torchrun job
+        return
     click.echo(predictor_table(cfg))
     click.echo(f"{cfg['n_tokens']['train']} training / {cfg['n_tokens']['heldout']} held-out tokens; predictors "
                f"{cfg['predictor_params']} parameters ({cfg['predictor_share']:.1%} of the model); "

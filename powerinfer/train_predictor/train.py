@@ -44,15 +44,15 @@ import torch.nn.functional as F
 from ..errors import PowerInferError
 from ..formats._atomic import atomic_path
 from ..formats.predictor import LayerPredictor
-from .collect import CollectedData, unpack_mask
+from ..formats.collected import CollectedData, unpack_mask
 
 __all__ = ["TrainSettings", "Predictor", "default_lr", "lr_at", "deja_vu_loss", "heldout_metrics", "train_layer",
-           "train_all_layers", "train_predictor_dir", "FALSE_ALARM_COST"]
+           "train_all_layers", "FALSE_ALARM_COST"]
 
 TRAIN_DIR = "train"
 FALSE_ALARM_COST = 0.5
 _DEJA_VU_EPS = 0.005
-_NOT_IN_KEY = ("eval_rows", "ram_bytes")  # settings that do not change the result
+_NOT_IN_KEY = ("eval_rows", "ram_bytes", "device")  # settings that do not change the result
 
 
 @dataclass
@@ -67,7 +67,8 @@ class TrainSettings:
     threshold: float = 0.0
     seed: int = 0
     eval_rows: int = 8192  # held-out rows scored per chunk
-    ram_bytes: int = 2 << 30  # a layer's split is loaded into RAM when it fits in this
+    ram_bytes: int = 2 << 30  # a layer's split is held in memory (on the device) when it fits in this
+    device: str = "cpu"  # cpu or cuda[:N]; on a GPU the matmuls run in bf16 autocast
 
 
 def default_lr(n_embd: int) -> float:
@@ -116,22 +117,40 @@ def _rows(x: np.ndarray, m: np.ndarray, idx: np.ndarray | slice, n_ff: int) -> t
 
 
 class _Split:
-    """Row access to one layer's split: in RAM (float32 inputs, uint8 masks) when it fits
-    in ``ram_bytes``, else read from the memmaps batch by batch."""
+    """Row access to one layer's split on ``device``.
 
-    def __init__(self, x: np.ndarray, m: np.ndarray, n_ff: int, ram_bytes: int):
-        self.n, self.n_ff = x.shape[0], n_ff
+    When the split fits in ``ram_bytes`` as stored (float16 inputs, bit-packed masks: 1/3
+    of the float32 + byte-mask size), it is held on the device and batches are gathered
+    and unpacked there; otherwise rows are read from the memmaps batch by batch. Batches
+    come back as float32 ``x`` ``[B, n_embd]`` and float32 0/1 ``y`` ``[B, n_ff]``.
+    """
+
+    def __init__(self, x: np.ndarray, m: np.ndarray, n_ff: int, ram_bytes: int, device: torch.device):
+        self.n, self.n_ff, self.device = x.shape[0], n_ff, device
         self.x, self.m = x, m
-        self.in_ram = self.n * (x.shape[1] * 4 + n_ff) <= ram_bytes
+        self.in_ram = x.nbytes + m.nbytes <= ram_bytes
         if self.in_ram:
-            self.x = torch.from_numpy(np.asarray(x, dtype=np.float32))
-            self.m = torch.from_numpy(unpack_mask(np.asarray(m), n_ff))
+            self.x = torch.from_numpy(np.array(x)).to(device)  # a copy in memory, not the read-only map
+            self.m = torch.from_numpy(np.array(m)).to(device)
 
     def get(self, idx: np.ndarray | slice) -> tuple[torch.Tensor, torch.Tensor]:
+        from ..calibrate.store import unpack_mask_torch
+
         if self.in_ram:
-            i = idx if isinstance(idx, slice) else torch.from_numpy(idx)
-            return self.x[i], self.m[i].float()
-        return _rows(self.x, self.m, idx, self.n_ff)
+            i = idx if isinstance(idx, slice) else torch.from_numpy(idx).to(self.device)
+            return self.x[i].float(), unpack_mask_torch(self.m[i], self.n_ff).float()
+        xb, yb = _rows(self.x, self.m, idx, self.n_ff)
+        return xb.to(self.device), yb.to(self.device)
+
+
+def _autocast(device: torch.device):
+    """bf16 autocast for the predictor's matmuls on a GPU (the loss stays f32); nothing on the CPU,
+    where bf16 matmuls are slow without bf16 instructions."""
+    import contextlib
+
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 @torch.no_grad()
@@ -144,7 +163,8 @@ def _evaluate(model: torch.nn.Module, rows: _Split, threshold: float, chunk: int
     loss_sum = 0.0
     for s in range(0, rows.n, chunk):
         xb, yb = rows.get(slice(s, s + chunk))
-        logits = model(xb)
+        with _autocast(rows.device):
+            logits = model(xb).float()
         for b in range(0, xb.shape[0], batch_size):
             k = min(batch_size, xb.shape[0] - b)
             loss_sum += deja_vu_loss(logits[b:b + k], yb[b:b + k]).item() * k
@@ -221,13 +241,14 @@ def train_layer(data: CollectedData, layer: int, hidden: int, settings: TrainSet
     key = json.loads(json.dumps(key))
     n_embd, n_ff = data.n_embd, data.n_ff
     torch.manual_seed(s.seed * 1000003 + layer)
-    model = Predictor(n_embd, hidden, n_ff)
+    device = torch.device(s.device)
+    model = Predictor(n_embd, hidden, n_ff).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
 
     ckpt: dict[str, Any] | None = None
     if path.is_file():
         try:
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+            ckpt = torch.load(path, map_location=device, weights_only=True)
         except Exception:  # noqa: BLE001 - a damaged checkpoint is retrained
             ckpt = None
         if ckpt is not None and ckpt.get("key") != key:
@@ -235,6 +256,7 @@ def train_layer(data: CollectedData, layer: int, hidden: int, settings: TrainSet
     resumed = "no"
     if ckpt is not None and ckpt.get("done"):
         model.load_state_dict(ckpt["best_model"])
+        model.cpu()
         info = dict(ckpt["info"], resumed="finished")
         if log is not None:
             log(f"layer {layer}: finished checkpoint found, not retrained")
@@ -247,8 +269,8 @@ def train_layer(data: CollectedData, layer: int, hidden: int, settings: TrainSet
         ckpt = dict(key=key, epoch=0, best_model=None, best_score=-float("inf"), best_epoch=-1,
                     bad_epochs=0, history=[], seconds=0.0, done=False)
 
-    train = _Split(data.inputs("train", layer), data.masks("train", layer), n_ff, s.ram_bytes)
-    heldout = _Split(data.inputs("heldout", layer), data.masks("heldout", layer), n_ff, s.ram_bytes)
+    train = _Split(data.inputs("train", layer), data.masks("train", layer), n_ff, s.ram_bytes, device)
+    heldout = _Split(data.inputs("heldout", layer), data.masks("heldout", layer), n_ff, s.ram_bytes, device)
     n = train.n
     steps_per_epoch = math.ceil(n / s.batch_size)
     t0 = time.perf_counter() - ckpt["seconds"]
@@ -268,15 +290,17 @@ def train_layer(data: CollectedData, layer: int, hidden: int, settings: TrainSet
                     group["lr"] = lr_at(epoch * steps_per_epoch + k, s.epochs * steps_per_epoch, s.lr)
                 idx = np.sort(perm[b:b + s.batch_size])
                 xb, yb = train.get(idx)
-                loss = deja_vu_loss(model(xb), yb)
+                with _autocast(device):
+                    logits = model(xb)
+                loss = deja_vu_loss(logits.float(), yb)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
-                loss_sum += loss.item() * len(idx)
+                loss_sum += loss.detach() * len(idx)
             model.eval()
             ev = _evaluate(model, heldout, s.threshold, s.eval_rows, s.batch_size)
             score = _score(ev)
-            ckpt["history"].append(dict(epoch=epoch, train_loss=loss_sum / n, **ev, score=score))
+            ckpt["history"].append(dict(epoch=epoch, train_loss=float(loss_sum) / n, **ev, score=score))
             if score > ckpt["best_score"]:
                 ckpt.update(best_score=score, best_epoch=epoch, bad_epochs=0,
                             best_model={k: v.clone() for k, v in model.state_dict().items()})
@@ -293,6 +317,7 @@ def train_layer(data: CollectedData, layer: int, hidden: int, settings: TrainSet
         if bar is not None:
             bar.close()
     model.load_state_dict(ckpt["best_model"])
+    model.cpu()
     info = dict(hidden=hidden, lr=s.lr, epochs=ckpt["epoch"], best_epoch=ckpt["best_epoch"],
                 seconds=round(time.perf_counter() - t0, 3), history=ckpt["history"])
     ckpt.update(done=True, info=info)
@@ -324,130 +349,3 @@ def train_all_layers(data: CollectedData, hidden: list[int], settings: TrainSett
         preds.append(p)
         infos.append(info)
     return preds, infos
-
-
-def _n_params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-
-
-def train_predictor_dir(model_dir: str | Path, data: str | Path, out_dir: str | Path, *,
-                        work_dir: str | Path | None = None, max_tokens: int = 65536,
-                        heldout_tokens: int | None = None, heldout_frac: float = 0.1, seq_len: int = 256,
-                        collect_batch_size: int = 16, text_field: str = "text", budget: float | None = None,
-                        hidden: int | None = None, settings: TrainSettings | None = None,
-                        threads: int | None = None, progress: bool = False,
-                        log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """The ``pi-train-predictor`` stage: collect, size, train and write a predictor folder.
-
-    1. Collect (:func:`powerinfer.train_predictor.collect.collect_predictor_data`) up to
-       ``max_tokens`` training tokens from the ``train`` split of ``data`` and up to
-       ``heldout_tokens`` (default ``max_tokens // 4``) from its ``heldout`` split (the last
-       ``heldout_frac`` of the documents, :mod:`powerinfer.data`), in ``seq_len`` sequences,
-       into ``work_dir`` (default ``<out_dir>-work``; reused when the same run comes again).
-    2. Size each layer (:func:`powerinfer.train_predictor.sizing.predictor_hidden_sizes`
-       from the training masks' active share and ``budget``), or use ``hidden`` for all.
-    3. Train every layer (:func:`train_all_layers`, resumable per layer).
-    4. Write ``out_dir`` atomically with :func:`powerinfer.formats.predictor.save_predictor_dir`:
-       ``model_{i}.pt`` (fp32 ``fc1.weight`` ``[H_i, n_embd]``, ``fc2.weight`` ``[n_ff, H_i]``)
-       and ``config.json`` (``sparse_threshold``, per-layer sizes and held-out metrics,
-       settings).
-
-    ``threads``: torch CPU threads (None: :func:`powerinfer.profile.collect.torch_threads`
-    decides, separately for the model forward and for training).
-
-    Returns the config dict. Raises PowerInferError for a missing model or data, an
-    unsupported architecture, a dense activation, too little text for a held-out split,
-    or too little free disk for the collected data -- before writing ``out_dir``.
-    """
-    import shutil
-
-    from ..data import calibration_batches
-    from ..families import hf_dims
-    from ..formats.predictor import save_predictor_dir
-    from ..formats._atomic import check_replaceable
-    from ..formats.predictor import OWNED as PREDICTOR_OWNED
-    from ..hf import load_hf_model, load_hf_tokenizer, resolve_model
-    from ..profile.collect import require_sparse, torch_threads
-    from .collect import collect_predictor_data, fingerprint
-    from .sizing import DEFAULT_BUDGET, predictor_hidden_sizes, predictor_params
-
-    settings = settings or TrainSettings()
-    budget = DEFAULT_BUDGET if budget is None else budget
-    heldout_tokens = heldout_tokens if heldout_tokens is not None else max(max_tokens // 4, seq_len)
-    work_dir = Path(work_dir) if work_dir is not None else Path(str(out_dir).rstrip("/") + "-work")
-    say = log or (lambda _msg: None)
-
-    family, cfg, act = resolve_model(model_dir)
-    require_sparse(act, model_dir, "predictor training")
-    check_replaceable(Path(out_dir), PREDICTOR_OWNED)
-    dims = hf_dims(cfg)
-    n_layer, n_embd, n_ff = dims["n_layer"], dims["n_embd"], dims["n_ff"]
-    tokenizer = load_hf_tokenizer(model_dir)
-    # open both splits now: a missing file or too few documents fails before any model work
-    for split in ("train", "heldout"):
-        calibration_batches(data, tokenizer, 1, seq_len, 1, split=split, heldout=heldout_frac, text_field=text_field)
-
-    need = (max_tokens + heldout_tokens) * n_layer * (2 * n_embd + (n_ff + 7) // 8)
-    work_dir.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(work_dir).free
-    if need > free:
-        raise PowerInferError(f"{work_dir}: collecting {max_tokens + heldout_tokens} tokens needs about "
-                              f"{need / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB is free "
-                              f"(lower --max-tokens or pick another --work-dir)")
-
-    model = load_hf_model(model_dir)
-    n_params = _n_params(model)
-    key = dict(model=str(Path(model_dir).resolve()), model_files=fingerprint(model_dir),
-               data=str(data), data_files=fingerprint(data), text_field=text_field,
-               max_tokens=max_tokens, heldout_tokens=heldout_tokens, heldout_frac=heldout_frac, seq_len=seq_len)
-
-    def batches(split: str, cap: int):
-        return lambda: calibration_batches(data, tokenizer, cap, seq_len, collect_batch_size, split=split,
-                                           heldout=heldout_frac, text_field=text_field)
-
-    t0 = time.perf_counter()
-    with torch_threads(threads, collect_batch_size * seq_len * n_embd * n_ff):
-        collected = collect_predictor_data(
-            model, family, act, n_embd, n_ff,
-            {"train": batches("train", max_tokens), "heldout": batches("heldout", heldout_tokens)},
-            work_dir, key, progress=progress, log=say, totals={"train": max_tokens, "heldout": heldout_tokens})
-    t_collect = time.perf_counter() - t0
-    del model
-
-    share = collected.active_share["train"]
-    if hidden is not None:
-        widths = [int(hidden)] * n_layer
-    else:
-        widths = predictor_hidden_sizes(share, n_embd, n_ff, n_params, budget=budget)
-    p_params = predictor_params(widths, n_embd, n_ff)
-    say(f"predictor widths {widths}: {p_params} parameters, {p_params / n_params:.1%} of the model's {n_params}")
-
-    t1 = time.perf_counter()
-    with torch_threads(threads, settings.batch_size * max(widths) * (n_embd + n_ff)):
-        preds, infos = train_all_layers(collected, widths, settings, work_dir, log=say, progress=progress)
-    t_train = time.perf_counter() - t1
-
-    layers = []
-    for i, info in enumerate(infos):
-        layers.append(dict(layer=i, hidden=widths[i], sparsity=1.0 - share[i],
-                           recall=info["recall"], precision=info["precision"],
-                           pred_active=info["pred_active"], true_active=info["true_active"],
-                           heldout_tokens=info["n_tokens"], epochs=info["epochs"], best_epoch=info["best_epoch"],
-                           lr=info["lr"], train_seconds=info["seconds"], resumed=info["resumed"]))
-    config = dict(
-        sparse_threshold=float(settings.threshold),
-        model=str(model_dir), family=family.name, activation=act.kind,
-        n_layer=n_layer, n_embd=n_embd, n_ff=n_ff,
-        hidden=widths, predictor_params=p_params, model_params=n_params, predictor_share=p_params / n_params,
-        n_tokens=collected.n_tokens,
-        layers=layers,
-        seconds=dict(collect=round(t_collect, 3), train=round(t_train, 3)),
-        settings=dict(asdict(settings), data=str(data), text_field=text_field, max_tokens=max_tokens,
-                      heldout_tokens=heldout_tokens, heldout_frac=heldout_frac, seq_len=seq_len,
-                      budget=budget if hidden is None else None, fixed_hidden=hidden, threads=threads),
-        recipe=("Deja Vu: weighted BCE-with-logits (weight 1 on active neurons, batch positive rate + 0.005 "
-                "on inactive), AdamW, cosine lr; best epoch by held-out recall - "
-                f"{FALSE_ALARM_COST} x false-alarm share"),
-    )
-    save_predictor_dir(out_dir, preds, config)
-    return config

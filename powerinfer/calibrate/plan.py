@@ -1,0 +1,91 @@
+"""The calibration batches of a run: which tokens, in which split, at which row.
+
+Profiling counts over one split (``all``); predictor training over two (``train``, then
+``heldout``). :func:`build_plan` tokenizes and packs each split with
+:func:`powerinfer.data.calibration_batches` (so the batches are exactly the ones the
+whole-model pass used) and lays them out:
+
+* ``Batch.token``: the batch's first row in the run's hidden-state file (all splits,
+  batch order), ``Batch.split_row``: its first row within its split (the predictor
+  training rows of that split are written there);
+* :meth:`CalibrationPlan.shard` gives a process of a ``torchrun`` job a contiguous run
+  of batches, so the ranks' rows, taken in rank order, are the one-process order.
+
+Tokenizing is deterministic, so a resumed or distributed run rebuilds the same plan
+from the same text instead of storing it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import PowerInferError
+
+__all__ = ["Batch", "CalibrationPlan", "build_plan"]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One ``[rows, seq]`` batch of token ids of split ``split``."""
+
+    split: str
+    ids: torch.Tensor = field(repr=False)
+    token: int  # first row in the run's hidden-state file
+    split_row: int  # first row within the split
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.ids.numel())
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.ids.shape[0]), int(self.ids.shape[1])
+
+
+@dataclass
+class CalibrationPlan:
+    """All batches of a run, in order, and the token count of each split."""
+
+    splits: list[str]
+    batches: list[Batch]
+
+    @property
+    def n_tokens(self) -> dict[str, int]:
+        out = {s: 0 for s in self.splits}
+        for b in self.batches:
+            out[b.split] += b.n_tokens
+        return out
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(b.n_tokens for b in self.batches)
+
+    def shard(self, rank: int, world: int) -> list[Batch]:
+        """Rank ``rank``'s batches of ``world``: a contiguous run, sizes differing by at most one."""
+        n = len(self.batches)
+        lo, hi = rank * n // world, (rank + 1) * n // world
+        return self.batches[lo:hi]
+
+
+def build_plan(data: str, tokenizer, caps: dict[str, int | None], seq_len: int, batch_size: int,
+               heldout: float = 0.1, text_field: str = "text") -> CalibrationPlan:
+    """Tokenize and pack each split of ``data`` (``caps``: split -> token cap, None = all).
+
+    Raises PowerInferError (from :mod:`powerinfer.data`) for missing or unusable text, and
+    when a split yields no tokens.
+    """
+    from ..data import calibration_batches
+
+    batches: list[Batch] = []
+    token = 0
+    for split, cap in caps.items():
+        row = 0
+        for ids in calibration_batches(data, tokenizer, cap, seq_len, batch_size, split=split, heldout=heldout,
+                                       text_field=text_field):
+            batches.append(Batch(split, ids, token, row))
+            token += ids.numel()
+            row += ids.numel()
+        if row == 0:
+            raise PowerInferError(f"{data}: the {split} split of the calibration data gave no tokens")
+    return CalibrationPlan(list(caps), batches)

@@ -1,0 +1,94 @@
+"""What both calibration stages do before the pass: check the model, pick device and dtype,
+join a torchrun job, check the disk, and name the run for resuming."""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import PowerInferError
+from ..families import Activation, Family, hf_dims
+from ..formats.collected import fingerprint
+from .distributed import Dist, init_distributed, resolve_device
+from .hooks import require_sparse
+from .stream import DTYPES
+
+__all__ = ["CalibrationSession", "open_session", "default_dtype", "run_key", "check_disk"]
+
+
+def default_dtype(device: torch.device) -> str:
+    """``bf16`` on a GPU; ``f32`` on the CPU.
+
+    On the CPU the choice follows a measurement (README, "Profiling a 7B..."): bf16 moves
+    activation counts by a few percent of a layer's neurons against f32, while on CPUs
+    without bf16 matrix instructions (AVX2-only parts such as this project's CI machine)
+    torch's bf16 matmul is more than 10x slower than f32. f32 needs twice the memory per
+    layer, still under 1 GiB for a 7B layer.
+    """
+    return "bf16" if device.type == "cuda" else "f32"
+
+
+@dataclass
+class CalibrationSession:
+    """A checked model folder and the device, dtype and torchrun job it will be calibrated on."""
+
+    model_dir: Path
+    family: Family
+    cfg: dict[str, Any]
+    act: Activation
+    dims: dict[str, int]
+    device: torch.device
+    dtype: torch.dtype
+    dist: Dist
+
+    @property
+    def dtype_name(self) -> str:
+        return next(k for k, v in DTYPES.items() if v == self.dtype)
+
+
+def open_session(model_dir: str | Path, what: str, device: str = "cpu", dtype: str | None = None) -> CalibrationSession:
+    """Resolve the model's family, refuse dense models, resolve the device and join torchrun.
+
+    ``dtype``: ``f32``, ``bf16``, ``f16`` or None (:func:`default_dtype`). Raises
+    PowerInferError for an unsupported or dense model, an unknown dtype or device.
+    """
+    from ..hf import resolve_model
+
+    family, cfg, act = resolve_model(model_dir)
+    require_sparse(act, model_dir, what)
+    dims = hf_dims(cfg)
+    dev = resolve_device(device, int(os.environ.get("LOCAL_RANK", "0") or 0))
+    name = dtype or default_dtype(dev)
+    if name not in DTYPES:
+        raise PowerInferError(f"--dtype {name!r}: expected one of {', '.join(DTYPES)}")
+    if dev.type == "cpu" and name == "f16":
+        raise PowerInferError("--dtype f16 is for GPUs: CPU f16 matmuls are slow and inexact; use f32 or bf16")
+    return CalibrationSession(Path(model_dir), family, cfg, act, dims, dev, DTYPES[name], init_distributed(dev))
+
+
+def run_key(model_dir: str | Path, data: str | Path, **settings: Any) -> dict[str, Any]:
+    """The identity of a calibration run: model and data fingerprints plus ``settings``."""
+    return dict(model=str(Path(model_dir).resolve()), model_files=fingerprint(model_dir), data=str(data),
+                data_files=fingerprint(data), **settings)
+
+
+def check_disk(work_dir: Path, n_tokens: int, s: CalibrationSession, pairs: bool) -> None:
+    """Refuse to start when the work folder's disk cannot hold the run's files.
+
+    Hidden states: two ``[n_tokens, n_embd]`` files in the compute dtype (per process);
+    predictor rows: ``n_layer`` x (float16 inputs + bit-packed masks) per token.
+    """
+    d = s.dims
+    elem = torch.empty((), dtype=s.dtype).element_size()
+    need = 2 * n_tokens * d["n_embd"] * elem
+    if pairs:
+        need += n_tokens * d["n_layer"] * (2 * d["n_embd"] + (d["n_ff"] + 7) // 8)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(work_dir).free
+    if need > free:
+        raise PowerInferError(f"{work_dir}: calibrating {n_tokens} tokens needs about {need / 2**30:.1f} GiB of disk "
+                              f"but only {free / 2**30:.1f} GiB is free (lower --max-tokens or pick another --work-dir)")
