@@ -16,10 +16,14 @@ then repeats until ``--min-time`` seconds have passed (at least ``--reps`` times
 best time counts. The layer figure is the layer's total FLOPs over the summed best
 times of its seven matmuls.
 
-bf16 on a CPU without bf16 instructions (AVX2 only: no AVX512-BF16 or AMX) is emulated
-and very slow, so bf16 cases run a single timed repetition, and once one call has
-taken longer than ``--bf16-cap`` seconds the larger M of that shape are not run; the
-rate of the largest M that ran stands in for them (marked ``~``).
+bf16 on a CPU without bf16 instructions (AVX2 only: no AVX512-BF16 or AMX) is
+emulated and very slow (~10 GFLOP/s a core, a few seconds per call at M = 1024), so
+each bf16 shape is timed once per thread count, with a single repetition (after a
+warm-up on 16 rows) at ``--bf16-m`` rows (default 256; its rate hardly depends on M),
+and that rate stands for every M (marked ``~`` where M differs). That call is skipped,
+and the shape's bf16 rate taken as the f32 one divided by 8 (also ``~``), if the f32
+figure predicts it would take over ``--bf16-cap`` seconds; the whole bf16 part then
+stays under ~10 s per thread count.
 
 Timings need the cores to themselves: close other busy processes first (see
 benchmarks/README.md); the load average is printed with the table.
@@ -33,6 +37,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import time
 from pathlib import Path
 
@@ -62,7 +67,7 @@ def cpu_info() -> dict:
     except OSError:
         pass
     cfg = torch.__config__.show()
-    blas = [ln.strip() for ln in cfg.splitlines() if "BLAS_INFO" in ln or "LAPACK_INFO" in ln]
+    blas = [m.group(0) for m in re.finditer(r"\b(BLAS_INFO|USE_MKLDNN|USE_OPENMP)=\w+", cfg)]
     return {
         "cpu": model,
         "cpu_count": os.cpu_count(),
@@ -76,13 +81,14 @@ def cpu_info() -> dict:
     }
 
 
-def time_linear(m: int, n: int, k: int, dtype: torch.dtype, reps: int, min_time: float) -> float:
-    """Best seconds of ``F.linear`` ``[m, k] x [n, k]^T`` over the repetitions (after one warm-up)."""
+def time_linear(m: int, n: int, k: int, dtype: torch.dtype, reps: int, min_time: float, warm_m: int | None = None) -> float:
+    """Best seconds of ``F.linear`` ``[m, k] x [n, k]^T`` over the repetitions, after one warm-up call
+    (on the first ``warm_m`` rows when given)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=gen).to(dtype)
     w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(dtype)
     with torch.inference_mode():
-        F.linear(x, w)  # warm-up: allocations, kernel selection
+        F.linear(x[:warm_m] if warm_m else x, w)  # warm-up: allocations, kernel selection
         best, spent, done = float("inf"), 0.0, 0
         while done < reps or spent < min_time:
             t0 = time.perf_counter()
@@ -92,32 +98,46 @@ def time_linear(m: int, n: int, k: int, dtype: torch.dtype, reps: int, min_time:
     return best
 
 
-def run(threads: list[int], dtypes: list[str], ms: list[int], reps: int, min_time: float, bf16_cap: float) -> list[dict]:
+BF16_SLOWDOWN_GUESS = 8.0  # f32 / bf16 GFLOP/s on AVX2, used only where the bf16 call would pass the cap
+
+
+def bf16_rate(n: int, k: int, rows: int, f32_gflops: float | None, cap: float) -> tuple[float, bool]:
+    """bf16 GFLOP/s of one shape from a single call on ``rows`` rows, or (guessed from f32, True)
+    when that call would take over ``cap`` seconds."""
+    flops = 2.0 * rows * n * k
+    if f32_gflops is not None and flops / (f32_gflops / BF16_SLOWDOWN_GUESS * 1e9) > cap:
+        return f32_gflops / BF16_SLOWDOWN_GUESS, True
+    return flops / time_linear(rows, n, k, torch.bfloat16, 1, 0.0, warm_m=16) / 1e9, False
+
+
+def run(threads: list[int], dtypes: list[str], ms: list[int], reps: int, min_time: float, bf16_m: int,
+        bf16_cap: float) -> list[dict]:
+    """One row per (threads, dtype, M): GFLOP/s per shape and for the whole layer."""
     rows = []
     for nt in threads:
         torch.set_num_threads(nt)
+        f32: dict[str, float] = {}  # shape -> best f32 GFLOP/s over M at this thread count
+        bf16: dict[str, tuple[float, bool]] = {}  # shape -> (GFLOP/s, guessed), measured once
         for dn in dtypes:
-            slow = dn != "f32"
-            capped: dict[str, float] = {}  # shape label -> GFLOP/s of the largest M that ran
             for m in ms:
                 row = {"threads": nt, "dtype": dn, "M": m, "gflops": {}, "estimated": []}
                 layer_flops = layer_time = 0.0
                 for label, n, k, uses in SHAPES:
                     flops = 2.0 * m * n * k
-                    if label in capped:
-                        g, est = capped[label], True
+                    if dn == "f32":
+                        g = flops / time_linear(m, n, k, torch.float32, reps, min_time) / 1e9
+                        f32[label] = max(f32.get(label, 0.0), g)
                     else:
-                        dt = time_linear(m, n, k, DTYPES[dn], 1 if slow else reps, 0.0 if slow else min_time)
-                        g, est = flops / dt / 1e9, False
-                        if slow and dt > bf16_cap:
-                            capped[label] = g
+                        if label not in bf16:
+                            bf16[label] = bf16_rate(n, k, bf16_m, f32.get(label), bf16_cap)
+                        g, guessed = bf16[label]
+                        if guessed or m != bf16_m:
+                            row["estimated"].append(label)
                     row["gflops"][label] = g
-                    if est:
-                        row["estimated"].append(label)
                     layer_flops += uses * flops
                     layer_time += uses * flops / (g * 1e9)
                 row["layer_gflops"] = layer_flops / layer_time / 1e9
-                row["tokens_per_s_per_layer"] = layer_flops / layer_time / (2.0 * PARAMS_PER_LAYER)
+                row["tokens_per_s_per_layer"] = row["layer_gflops"] * 1e9 / (2.0 * PARAMS_PER_LAYER)
                 rows.append(row)
                 print_row(row)
     return rows
@@ -141,10 +161,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", default="1,2", help="thread counts, comma-separated (default 1,2)")
     ap.add_argument("--dtypes", default="f32,bf16", help="f32 and/or bf16 (default both)")
     ap.add_argument("--m", default="1024,2048,4096", help="tokens per GEMM, comma-separated")
-    ap.add_argument("--reps", type=int, default=3, help="minimum timed repetitions (f32)")
+    ap.add_argument("--reps", type=int, default=2, help="minimum timed repetitions (f32)")
     ap.add_argument("--min-time", type=float, default=1.0, help="minimum timed seconds per case (f32)")
-    ap.add_argument("--bf16-cap", type=float, default=5.0,
-                    help="after a bf16 call slower than this (s), larger M of that shape reuse its rate")
+    ap.add_argument("--bf16-m", type=int, default=256, help="rows of the single timed bf16 call per shape")
+    ap.add_argument("--bf16-cap", type=float, default=10.0,
+                    help="skip a bf16 call the f32 rate predicts to take longer than this (s)")
     ap.add_argument("--json", type=Path, help="write the figures here")
     a = ap.parse_args(argv)
 
@@ -154,13 +175,13 @@ def main(argv: list[str] | None = None) -> None:
           f"mkl {info['mkl']}; {info['blas']}")
     print(f"params per 7B layer: {PARAMS_PER_LAYER:,} (2x that = FLOPs per calibration token per layer)")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print("GFLOP/s per weight shape (best of the repetitions; ~ = rate of a smaller M, bf16 capped), the "
-          "layer's GFLOP/s, the calibration tokens/s per 7B layer it allows, and seconds for 65536 tokens "
-          "through 32 layers")
+    print(f"GFLOP/s per weight shape (f32: best of the repetitions; bf16: one call at M={a.bf16_m}, "
+          f"~ = used for another M or guessed), the layer's GFLOP/s, the calibration tokens/s per 7B layer "
+          f"it allows, and the seconds 65536 tokens through 32 layers would take at that rate")
     print_header()
     t0 = time.time()
     rows = run([int(t) for t in a.threads.split(",")], a.dtypes.split(","), [int(m) for m in a.m.split(",")],
-               a.reps, a.min_time, a.bf16_cap)
+               a.reps, a.min_time, a.bf16_m, a.bf16_cap)
     load = os.getloadavg()
     print(f"load average after: {' '.join(f'{x:.2f}' for x in load)}; {time.time() - t0:.0f} s")
     if a.json:
