@@ -13,7 +13,12 @@ children's stdout and stderr go straight to this terminal.
 
 Per stage it measures the wall time, the CPU time (user + system) and the peak
 resident memory of that child alone: ``os.wait4`` on its pid returns its rusage, whose
-``ru_maxrss`` (KiB on Linux) covers the child and nothing else of this process. Then it
+``ru_maxrss`` (KiB on Linux) covers the child and nothing else of this process. That
+figure counts the touched pages of memory-mapped files too (safetensors shards read
+through ``safe_open`` stay mapped while their handle is open), which the kernel can drop
+under pressure, so a thread also samples the child's ``/proc/PID/status`` every 0.1 s
+and keeps the peaks of ``RssAnon`` (allocated memory) and ``RssFile + RssShmem``
+(mapped files) apart; sampling can miss a spike shorter than its interval. Then it
 reads the per-layer timings the stage writes, the ``"stream"`` key of
 ``OUT/activation/powerinfer_stats.json`` and of ``OUT/predictor/config.json``::
 
@@ -27,7 +32,8 @@ the mean training seconds per layer per epoch.
 
 Both stages reuse their work folders on re-runs (pi-train-predictor skips finished
 layers), which would time nothing: OUT/profile-work and OUT/predictor-work are
-therefore deleted before their stage unless ``--reuse``. Timings need the cores to
+therefore deleted before their stage unless ``--reuse``, and a run claims OUT with
+``OUT/.bench_calibration.pid`` (a second run on the same OUT is refused). Timings need the cores to
 themselves (see benchmarks/README.md); the load average is printed before each stage.
 
     python benchmarks/bench_calibration.py out/full7b --data ../shared/data/tinystories/tinystories_sample.txt \\
@@ -45,6 +51,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -82,21 +89,55 @@ def with_optional(cmd: list[str], help_text: str, optional: dict[str, object | N
     return cmd
 
 
+class RssSampler(threading.Thread):
+    """Peaks of a process's anonymous and file-backed resident memory, sampled from
+    ``/proc/PID/status`` (``RssAnon``, ``RssFile`` + ``RssShmem``) every ``interval`` seconds.
+
+    ``ru_maxrss`` is exact but counts the pages of memory-mapped files (safetensors shards
+    read through ``safe_open``) like allocated memory; those are page cache the kernel can
+    drop, so the split tells a real footprint from a mapped checkpoint."""
+
+    def __init__(self, pid: int, interval: float = 0.1):
+        super().__init__(daemon=True)
+        self.path = Path(f"/proc/{pid}/status")
+        self.interval = interval
+        self.peak = {"anon": 0, "file": 0}  # KiB
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                kv = dict(ln.split(":", 1) for ln in self.path.read_text().splitlines() if ":" in ln)
+            except OSError:  # gone, or not Linux
+                return
+            kib = {k: int(v.split()[0]) for k, v in kv.items() if k.startswith("Rss")}
+            if "RssAnon" in kib:
+                self.peak["anon"] = max(self.peak["anon"], kib["RssAnon"])
+                self.peak["file"] = max(self.peak["file"], kib.get("RssFile", 0) + kib.get("RssShmem", 0))
+            self.stop.wait(self.interval)
+
+
 def run_child(cmd: list[str]) -> dict:
     """Run ``cmd`` with inherited stdio; its wall time, CPU time, peak RSS and exit code."""
     print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd)
+    sampler = RssSampler(p.pid)
+    sampler.start()
     try:
         _, status, ru = os.wait4(p.pid, 0)
     except KeyboardInterrupt:
         p.terminate()
         p.wait()
         raise
+    finally:
+        sampler.stop.set()
     wall = time.perf_counter() - t0
+    sampler.join()
     p.returncode = os.waitstatus_to_exitcode(status)  # reaped here: keep Popen from waiting again
     return {"cmd": cmd, "rc": p.returncode, "wall_s": wall, "cpu_s": ru.ru_utime + ru.ru_stime,
-            "peak_rss_gib": ru.ru_maxrss / 2**20}  # ru_maxrss: KiB on Linux
+            "peak_rss_gib": ru.ru_maxrss / 2**20,  # ru_maxrss: KiB on Linux
+            "peak_anon_gib": sampler.peak["anon"] / 2**20, "peak_file_gib": sampler.peak["file"] / 2**20}
 
 
 def read_json(path: Path) -> dict:
@@ -132,16 +173,42 @@ def fmt(x, spec: str) -> str:
 
 
 def print_summary(results: dict[str, dict]) -> None:
-    cols = (f"{'stage':<10}{'rc':>4}{'wall s':>9}{'cpu s':>9}{'peak GiB':>10}{'tokens':>9}{'s/layer':>10}"
-            f"{'tok/s/layer':>13}{'train s/layer/epoch':>21}  device/dtype/threads")
+    cols = (f"{'stage':<10}{'rc':>4}{'wall s':>9}{'cpu s':>9}{'peak GiB':>10}{'anon':>7}{'file':>7}{'tokens':>9}"
+            f"{'s/layer':>10}{'tok/s/layer':>13}{'train s/layer/epoch':>21}  device/dtype/threads")
     print("\n" + cols)
     print("-" * len(cols))
     for stage, r in results.items():
         s = r["stats"]
         where = "/".join(str(s[k]) if s[k] is not None else "n/a" for k in ("device", "dtype", "threads"))
         print(f"{stage:<10}{r['rc']:>4}{r['wall_s']:>9.1f}{r['cpu_s']:>9.1f}{r['peak_rss_gib']:>10.2f}"
+              f"{r['peak_anon_gib']:>7.2f}{r['peak_file_gib']:>7.2f}"
               f"{fmt(s['n_tokens'], 'd'):>9}{fmt(s['mean_layer_s'], '.3f'):>10}"
               f"{fmt(s['tokens_per_s_per_layer'], '.0f'):>13}{fmt(s['train_s_per_layer_epoch'], '.3f'):>21}  {where}")
+    print("peak GiB: the child's ru_maxrss (exact; counts touched pages of memory-mapped files); anon / file: "
+          "peaks of its RssAnon and RssFile+RssShmem sampled every 0.1 s (file pages are droppable page cache)")
+
+
+def lock_out(out: Path) -> Path:
+    """Claim OUT for this run (``OUT/.bench_calibration.pid``): two runs on one OUT would delete
+    each other's work folders. A lock left by a process that is gone is taken over."""
+    lock = out / ".bench_calibration.pid"
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                pid = int(lock.read_text().strip() or 0)
+                os.kill(pid, 0)
+            except (ValueError, ProcessLookupError, FileNotFoundError):
+                lock.unlink(missing_ok=True)  # stale
+                continue
+            except PermissionError:
+                pass  # alive, another user's
+            raise SystemExit(f"{out}: in use by another bench_calibration run (pid {pid}); use another --out")
+        os.write(fd, f"{os.getpid()}\n".encode())
+        os.close(fd)
+        return lock
+    raise SystemExit(f"{lock}: could not claim it")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -183,22 +250,11 @@ def main(argv: list[str] | None = None) -> None:
         plans["predictor"] = (cmd + shlex.split(a.predictor_args), a.out / "predictor-work",
                               a.out / "predictor" / "config.json")
 
-    results: dict[str, dict] = {}
-    for stage, (cmd, work, stats_file) in plans.items():
-        print(f"\n== {stage}: load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
-        if work.exists() and not a.reuse:
-            print(f"removing {work} (a re-run would reuse it; --reuse keeps it)", flush=True)
-            shutil.rmtree(work)
-        stats_file.unlink(missing_ok=True)  # never read an earlier run's figures
-        r = run_child(cmd)
-        r["stats"] = layer_stats(read_json(stats_file)) if r["rc"] == 0 else layer_stats({})
-        r["loadavg_after"] = os.getloadavg()
-        results[stage] = r
-        print(f"== {stage}: exit {r['rc']}, {r['wall_s']:.1f} s wall, {r['cpu_s']:.1f} s CPU, "
-              f"peak RSS {r['peak_rss_gib']:.2f} GiB", flush=True)
-        if r["rc"] != 0:
-            break
-
+    lock = lock_out(a.out)
+    try:
+        results = run_stages(plans, a.reuse)
+    finally:
+        lock.unlink(missing_ok=True)
     if results:
         print_summary(results)
     if a.json:
@@ -209,6 +265,27 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {a.json}")
     if any(r["rc"] != 0 for r in results.values()):
         sys.exit(1)
+
+
+def run_stages(plans: dict[str, tuple[list[str], Path, Path]], reuse: bool) -> dict[str, dict]:
+    """Run each planned stage (fresh work folder unless ``reuse``) until one fails."""
+    results: dict[str, dict] = {}
+    for stage, (cmd, work, stats_file) in plans.items():
+        print(f"\n== {stage}: load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+        if work.exists() and not reuse:
+            print(f"removing {work} (a re-run would reuse it; --reuse keeps it)", flush=True)
+            shutil.rmtree(work)
+        stats_file.unlink(missing_ok=True)  # never read an earlier run's figures
+        r = run_child(cmd)
+        r["stats"] = layer_stats(read_json(stats_file)) if r["rc"] == 0 else layer_stats({})
+        r["loadavg_after"] = os.getloadavg()
+        results[stage] = r
+        print(f"== {stage}: exit {r['rc']}, {r['wall_s']:.1f} s wall, {r['cpu_s']:.1f} s CPU, peak RSS "
+              f"{r['peak_rss_gib']:.2f} GiB (anon {r['peak_anon_gib']:.2f}, file {r['peak_file_gib']:.2f})",
+              flush=True)
+        if r["rc"] != 0:
+            break
+    return results
 
 
 if __name__ == "__main__":

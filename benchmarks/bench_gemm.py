@@ -81,7 +81,8 @@ def cpu_info() -> dict:
     }
 
 
-def time_linear(m: int, n: int, k: int, dtype: torch.dtype, reps: int, min_time: float, warm_m: int | None = None) -> float:
+def time_linear(m: int, n: int, k: int, dtype: torch.dtype, reps: int, min_time: float,
+                warm_m: int | None = None) -> float:
     """Best seconds of ``F.linear`` ``[m, k] x [n, k]^T`` over the repetitions, after one warm-up call
     (on the first ``warm_m`` rows when given)."""
     gen = torch.Generator().manual_seed(0)

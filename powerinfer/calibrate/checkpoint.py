@@ -168,5 +168,6 @@ class CheckpointReader:
                     copy=True)
 
     def close(self) -> None:
+        """Drop open shards (unmapping them); later lookups reopen what they need."""
         self._safe.clear()
         self._bin_path, self._bin = None, None

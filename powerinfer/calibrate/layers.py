@@ -108,6 +108,7 @@ class LayerStack:
         layers_list = get_attr(self.model, self.family.layers_attr)
         for name, child in self.model.named_children():
             self._load_stem_module(child, name + ".", skip, layers_list, head)
+        self.reader.close()
 
     def _load_stem_module(self, module: torch.nn.Module, prefix: str, skip: set[int],
                           layers_list: torch.nn.Module, head: torch.nn.Module | None) -> None:
@@ -129,6 +130,7 @@ class LayerStack:
         """Decoder layer ``i`` with its checkpoint weights in ``dtype`` on the device, in eval mode."""
         layer = self.layers[i]
         self._load_into(layer, self.layer_key(i, ""))
+        self.reader.close()  # unmap the shards: touched pages of a map count as resident memory
         left = _meta_tensors(layer)
         if left:
             raise PowerInferError(f"{self.model_dir}: layer {i} tensor {left[0]!r} was not loaded")

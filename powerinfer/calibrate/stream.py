@@ -95,7 +95,7 @@ class StreamResult:
     def summary(self) -> dict[str, Any]:
         """JSON-able timing record (``powerinfer_stats.json`` / ``config.json`` key ``stream``)."""
         return dict(n_tokens=sum(self.n_tokens.values()), rank_tokens=self.rank_tokens, device=self.device,
-                    dtype=self.dtype, threads=torch.get_num_threads(), world_size=self.extra.get("world", 1),
+                    dtype=self.dtype, threads=self.extra.get("threads"), world_size=self.extra.get("world", 1),
                     embed_seconds=round(self.embed_seconds, 3),
                     layer_seconds=[round(s, 3) for s in self.layer_seconds], resumed_at_layer=self.resumed_at)
 
@@ -188,6 +188,7 @@ def stream_calibration(model_dir: str | Path, family: Family, act: Activation, p
     its config, or a checkpoint without a tensor the model needs.
     """
     dist = dist or Dist()
+    threads = torch.get_num_threads()
     device = torch.device(device)
     dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
     key = _json_norm(dict(key, dtype=dtype_name, device=device.type, world=dist.world, pairs=pairs))
@@ -285,7 +286,7 @@ def stream_calibration(model_dir: str | Path, family: Family, act: Activation, p
                         n_params=stack.n_params(), layer_seconds=seconds,
                         embed_seconds=float(state.data["embed_seconds"]), rank_tokens=rank_tokens,
                         device=str(device), dtype=dtype_name, resumed_at=resumed_at, collected=collected,
-                        extra=dict(world=dist.world))
+                        extra=dict(world=dist.world, threads=threads))
 
 
 def _run_layer(stack: LayerStack, layer: torch.nn.Module, i: int, family: Family, act: Activation,
