@@ -66,7 +66,7 @@ class TrainSettings:
     patience: int = 3
     threshold: float = 0.0
     seed: int = 0
-    eval_rows: int = 8192  # held-out rows scored per chunk
+    eval_rows: int = 1024  # held-out rows scored per chunk (x n_ff logits and labels in memory)
     ram_bytes: int = 2 << 30  # a layer's split is held in memory (on the device) when it fits in this
     device: str = "cpu"  # cpu or cuda[:N]; on a GPU the matmuls run in bf16 autocast
 
