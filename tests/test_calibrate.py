@@ -271,14 +271,14 @@ def test_device_and_dtype_errors_are_one_line(tmp_path):
 
 
 def test_bf16_counts_stay_close_to_f32_on_the_demo_model(tmp_path):
-    """The measurement behind the CPU default (f32): bf16 moves counts by a few percent."""
+    """The measurement behind the dtype defaults: bf16 flips well under 1% of activation decisions."""
     _, _, _, f32 = _stream(DEMO, DEMO_TEXT, tmp_path / "a", {"all": 2048}, seq_len=128, batch=4)
     _, _, _, bf16 = _stream(DEMO, DEMO_TEXT, tmp_path / "b", {"all": 2048}, seq_len=128, batch=4,
                             dtype=torch.bfloat16)
     for a, b in zip(f32.all_counts(), bf16.all_counts()):
         rel = (a - b).abs().sum().item() / a.sum().item()
-        assert 0 < rel < 0.1  # differs (bf16 is not f32) but by little
-        assert abs(a.sum().item() - b.sum().item()) / a.sum().item() < 0.03
+        assert 0 < rel < 0.01  # differs (bf16 is not f32) but by little (0.37% measured)
+        assert abs(a.sum().item() - b.sum().item()) / a.sum().item() < 0.005
 
 
 # --------------------------------------------------------------------------- torchrun
@@ -316,3 +316,41 @@ def test_torchrun_two_gloo_processes_give_the_one_process_results(tmp_path):
     c2 = json.loads((tmp_path / "pred2" / "config.json").read_text())
     assert [l["recall"] for l in c1["layers"]] == [l["recall"] for l in c2["layers"]]
     assert c2["settings"]["world_size"] == 2
+
+
+def test_nan_weights_are_named_not_counted(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    d = make_tiny_llama(tmp_path / "m", n_layer=3, seed=8)
+    sd = load_file(d / "model.safetensors")
+    sd["model.layers.1.self_attn.v_proj.weight"][0, 0] = float("nan")
+    save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
+    text = tmp_path / "t.txt"
+    text.write_text(story_text(2000))
+    r = CliRunner().invoke(profile_main, [str(d), "--data", str(text), "--out", str(tmp_path / "a"),
+                                          "--max-tokens", "64"])
+    assert r.exit_code == 1 and "layer 1: hidden states became NaN or infinite" in r.output
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_state_whose_files_are_gone_starts_over(tmp_path, monkeypatch):
+    d = make_tiny_llama(tmp_path / "m", n_layer=3, seed=9)
+    text = tmp_path / "t.txt"
+    text.write_text(story_text(2000))
+    real = stream_mod._run_layer
+
+    def die(stack, layer, i, *a, **k):
+        if i == 1:
+            raise KeyboardInterrupt
+        return real(stack, layer, i, *a, **k)
+
+    monkeypatch.setattr(stream_mod, "_run_layer", die)
+    with pytest.raises(KeyboardInterrupt):
+        profile_model_dir(d, text, tmp_path / "a", max_tokens=64, seq_len=32, batch_size=2)
+    monkeypatch.undo()
+    for h in (tmp_path / "a-work").rglob("hidden_*.bin"):
+        h.unlink()  # e.g. a cleaned-up /tmp
+    stats = profile_model_dir(d, text, tmp_path / "a", max_tokens=64, seq_len=32, batch_size=2)
+    assert stats["stream"]["resumed_at_layer"] == 0
+    profile_model_dir(d, text, tmp_path / "b", max_tokens=64, seq_len=32, batch_size=2)
+    assert all(torch.equal(a, b) for a, b in zip(load_activation_dir(tmp_path / "a"), load_activation_dir(tmp_path / "b")))

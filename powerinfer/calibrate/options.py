@@ -18,7 +18,8 @@ def calibration_options(*batch_names: str) -> Callable[[Callable[..., Any]], Cal
                          help="cpu, cuda (under torchrun: each process's own GPU) or cuda:N. The model is "
                               "streamed one decoder layer at a time, so a 24 GB GPU calibrates a 70B model."),
             click.option("--dtype", type=click.Choice(["f32", "bf16", "f16"]), default=None,
-                         help="Compute dtype of the calibration pass [default: bf16 on a GPU, f32 on the CPU]."),
+                         help="Compute dtype of the calibration pass [default: bf16 on a GPU or a CPU with bf16 instructions, "
+                              "else f32]."),
             click.option("--threads", default=None, type=click.IntRange(min=1),
                          help="CPU threads for torch [default: 1 for tiny models, else torch's choice]."),
             click.option(*batch_names, "forward_batch", default=16, show_default=True, type=click.IntRange(min=1),

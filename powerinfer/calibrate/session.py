@@ -21,15 +21,18 @@ __all__ = ["CalibrationSession", "open_session", "default_dtype", "run_key", "ch
 
 
 def default_dtype(device: torch.device) -> str:
-    """``bf16`` on a GPU; ``f32`` on the CPU.
+    """``bf16`` on a GPU; on the CPU ``bf16`` where it has bf16 dot-product instructions
+    (AVX512-BF16, AMX, Arm BF16), else ``f32``.
 
-    On the CPU the choice follows a measurement (README, "Profiling a 7B..."): bf16 moves
-    activation counts by a few percent of a layer's neurons against f32, while on CPUs
-    without bf16 matrix instructions (AVX2-only parts such as this project's CI machine)
-    torch's bf16 matmul is more than 10x slower than f32. f32 needs twice the memory per
-    layer, still under 1 GiB for a 7B layer.
+    From measurements (README, "Profiling a 7B..."; ``benchmarks/bench_dtype.py``): against
+    f32, bf16 flips 0.1-0.4% of the (token, neuron) activation decisions and leaves
+    predictor recall within 0.001, so it costs nothing in quality; but without bf16
+    instructions (AVX2-only CPUs such as this project's machines) torch's bf16 matmul runs
+    ~8x slower than f32, so there f32 is the default.
     """
-    return "bf16" if device.type == "cuda" else "f32"
+    from ..hardware import cpu_has_bf16
+
+    return "bf16" if device.type == "cuda" or cpu_has_bf16() else "f32"
 
 
 @dataclass

@@ -145,6 +145,22 @@ def _release_memory() -> None:
         pass
 
 
+def _elem_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _resumable(state: "_State", root: Path, hidden: list[Path], n_layer: int, hidden_bytes: int) -> bool:
+    """Whether a saved state's files are all there: counts of every finished layer and, when
+    layers remain, the next layer's full-size input file."""
+    nxt = int(state.data["next_layer"])
+    if not 0 <= nxt <= n_layer or any(not (root / f"counts_{i}.pt").is_file() for i in range(nxt)):
+        return False
+    if nxt == n_layer:
+        return True
+    src = hidden[int(state.data["buffer"]) % 2]
+    return src.is_file() and src.stat().st_size == hidden_bytes
+
+
 def _json_norm(x: Any) -> Any:
     return json.loads(json.dumps(x))
 
@@ -226,9 +242,11 @@ def stream_calibration(model_dir: str | Path, family: Family, act: Activation, p
 
     stack = LayerStack(model_dir, family, dtype, device)
     n_layer = stack.n_layer
+    if n_layer == 0:
+        raise PowerInferError(f"{model_dir}: the model has no decoder layers")
     cfg = stack.model.config
     n_embd = int(getattr(cfg, "hidden_size"))
-    n_ff = int(get_attr(stack.layers[0], family.up_attr).weight.shape[0]) if n_layer else 0
+    n_ff = int(get_attr(stack.layers[0], family.up_attr).weight.shape[0])
     mine = plan.shard(dist.rank, dist.world)
     rank_tokens = sum(b.n_tokens for b in mine)
     splits = plan.splits
@@ -240,6 +258,11 @@ def stream_calibration(model_dir: str | Path, family: Family, act: Activation, p
         log(f"{tag}resuming at layer {resumed_at + 1}/{n_layer} (layers before it are done, in {root})")
 
     hidden = [root / "hidden_0.bin", root / "hidden_1.bin"]
+    if state.data["embedded"] and not _resumable(state, root, hidden, n_layer, rank_tokens * n_embd * _elem_size(dtype)):
+        if log is not None:
+            log(f"{tag}{root}: the saved state is incomplete (files missing or cut short); starting over")
+        state.data.update(embedded=False, next_layer=0, buffer=0, layer_seconds={})
+        resumed_at = 0
     if not state.data["embedded"]:
         t0 = time.perf_counter()
         prog.start("embed")
@@ -274,8 +297,6 @@ def stream_calibration(model_dir: str | Path, family: Family, act: Activation, p
     stack.close()
 
     done = int(state.data["next_layer"])
-    if n_layer == 0:
-        raise PowerInferError(f"{model_dir}: the model has no decoder layers")
     local = [torch.load(root / f"counts_{i}.pt", weights_only=True) for i in range(done)]
     finished = done == n_layer
     if finished:
@@ -352,6 +373,10 @@ def _run_layer(stack: LayerStack, layer: torch.nn.Module, i: int, family: Family
                 current.update(split=splits.index(b.split), batch=b)
                 h = fin.read(row, b.n_tokens).to(stack.device, non_blocking=True).view(*b.shape, n_embd)
                 out = stack.run_layer(layer, h)
+                if not bool(torch.isfinite(out).all()):
+                    raise PowerInferError(
+                        f"layer {i}: hidden states became NaN or infinite in {str(dtype).removeprefix('torch.')} "
+                        f"(weights holding NaN/inf, or values beyond the dtype's range: try --dtype f32 or bf16)")
                 fout.write(row, out.reshape(-1, n_embd))
                 row += b.n_tokens
                 prog.update(b.n_tokens)

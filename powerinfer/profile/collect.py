@@ -146,7 +146,7 @@ def profile_model_dir(model_dir: str | Path, data: str | Path, out_dir: str | Pa
     ``[batch_size, seq_len]`` batches and streams them through the model one decoder layer
     at a time (:func:`powerinfer.calibrate.stream.stream_calibration`: memory is one layer,
     not the model), on ``device`` (``cpu``, ``cuda``, ``cuda:N``) in ``dtype`` (``f32``,
-    ``bf16``, ``f16``; None: bf16 on a GPU, f32 on the CPU). Under ``torchrun`` each
+    ``bf16``, ``f16``; None: :func:`powerinfer.calibrate.session.default_dtype`). Under ``torchrun`` each
     process takes a share of the batches and the counts are all-reduced. Then writes
     ``activation_{i}.pt`` (int64 ``[n_ff]``) plus ``powerinfer_stats.json``
     (:func:`activation_stats`, settings and per-layer timings under ``stream``) atomically

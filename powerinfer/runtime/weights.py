@@ -23,14 +23,13 @@ f32 otherwise (f16 matmuls are slow on CPUs).
 from __future__ import annotations
 
 import mmap
-import platform
 import warnings
-from functools import lru_cache
 
 import numpy as np
 import torch
 
 from ..errors import PowerInferError
+from ..hardware import cpu_flags, cpu_has_bf16  # noqa: F401  (re-exported)
 from ..formats.gguf_file import GGUFFile
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
@@ -40,28 +39,6 @@ _NATIVE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 # ---------------------------------------------------------------------------- dtype choice
-@lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """CPU feature flags from ``/proc/cpuinfo`` (x86 ``flags``, Arm ``Features``); empty elsewhere."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, val = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    return frozenset(val.split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def cpu_has_bf16(flags: frozenset[str] | set[str] | None = None) -> bool:
-    """True when the CPU computes bf16 dot products natively (so bf16 matmuls are fast)."""
-    flags = cpu_flags() if flags is None else flags
-    if {"avx512_bf16", "amx_bf16"} & set(flags):
-        return True
-    return platform.machine().lower() in ("aarch64", "arm64") and "bf16" in flags
-
-
 def compute_dtype(name: str, flags: frozenset[str] | set[str] | None = None) -> torch.dtype:
     """``auto`` | ``bf16`` | ``f32`` -> torch dtype. ``auto``: bf16 if :func:`cpu_has_bf16`, else f32."""
     if name == "auto":

@@ -35,8 +35,8 @@ def train_predictor_dir(model_dir: str | Path, data: str | Path, out_dir: str | 
     1. Calibrate: up to ``max_tokens`` training tokens from the ``train`` split of ``data``
        and up to ``heldout_tokens`` (default ``max_tokens // 4``) from its ``heldout`` split
        (:mod:`powerinfer.data`), in ``[collect_batch_size, seq_len]`` batches, streamed through
-       the model layer by layer on ``device`` in ``dtype`` (None: bf16 on a GPU, f32 on the
-       CPU); the (predictor input, active mask) rows go to ``work_dir/collect`` (default
+       the model layer by layer on ``device`` in ``dtype`` (None:
+       :func:`powerinfer.calibrate.session.default_dtype`); the (predictor input, active mask) rows go to ``work_dir/collect`` (default
        ``<out_dir>-work``; reused when the same run comes again, resumed at the layer a
        killed run was in).
     2. Size each layer (:func:`powerinfer.train_predictor.sizing.predictor_hidden_sizes`
