@@ -348,6 +348,12 @@ def _separator_ids(tokenizer) -> list[int]:
 def _token_stream(documents: Iterable[str], tokenizer) -> Iterator[list[int]]:
     """The stream ``doc_0 SEP doc_1 SEP ...`` as successive lists of token ids."""
     sep = _separator_ids(tokenizer)
+    # Documents are tokenized whole and then cut into seq_len pieces, so a document longer than
+    # the model's context is expected here; mark transformers' once-only "sequence length is
+    # longer than the specified maximum" warning as already given instead of alarming users.
+    warned = getattr(tokenizer, "deprecation_warnings", None)
+    if isinstance(warned, dict):
+        warned["sequence-length-is-longer-than-the-specified-maximum"] = True
     docs = iter(documents)
     while True:
         chunk, n_chars = [], 0

@@ -44,6 +44,19 @@ class Dist:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t
 
+    def gather_dicts(self, d: dict) -> dict:
+        """The union of every rank's dict (picklable values); also a barrier."""
+        if self.world == 1:
+            return dict(d)
+        import torch.distributed as dist
+
+        parts: list = [None] * self.world
+        dist.all_gather_object(parts, d)
+        out: dict = {}
+        for part in parts:
+            out.update(part)
+        return out
+
     def barrier(self) -> None:
         if self.world > 1:
             import torch.distributed as dist

@@ -22,7 +22,7 @@ import torch
 
 from ..errors import PowerInferError
 
-__all__ = ["Batch", "CalibrationPlan", "build_plan"]
+__all__ = ["Batch", "CalibrationPlan", "build_plan", "shortfall_notes"]
 
 
 @dataclass(frozen=True)
@@ -89,3 +89,11 @@ def build_plan(data: str, tokenizer, caps: dict[str, int | None], seq_len: int, 
         if row == 0:
             raise PowerInferError(f"{data}: the {split} split of the calibration data gave no tokens")
     return CalibrationPlan(list(caps), batches)
+
+
+def shortfall_notes(plan: CalibrationPlan, caps: dict[str, int | None], data: str) -> list[str]:
+    """One line per split whose text gave under 90% of the tokens asked for (for the stages' logs)."""
+    got = plan.n_tokens
+    return [f"{data}: the {split} split gave only {got[split]} tokens of the {cap} asked for "
+            f"(the text ran out; more text gives better statistics)"
+            for split, cap in caps.items() if cap is not None and got[split] < 0.9 * cap]

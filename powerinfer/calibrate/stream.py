@@ -230,6 +230,9 @@ def stream_calibration(model_dir: str | Path, family: Family, act: Activation, p
     root.mkdir(parents=True, exist_ok=True)
     state = _State(root, key)
     if not state.load():
+        if state.path.is_file() and log is not None and dist.is_main:
+            log(f"{root}: discarding a calibration state made with other settings (model, data, tokens, "
+                f"dtype or process count changed); starting from layer 1")
         for p in root.iterdir():  # another run's leftovers: start this rank over
             p.unlink() if p.is_file() else shutil.rmtree(p)
         state.save()
@@ -254,8 +257,15 @@ def stream_calibration(model_dir: str | Path, family: Family, act: Activation, p
     tag = f"[rank {dist.rank}] " if dist.world > 1 else ""
     prog = _Progress(progress and (dist.is_main or dist.world == 1), log, n_layer, rank_tokens, tag)
     resumed_at = int(state.data["next_layer"]) if state.data["embedded"] else 0
-    if resumed_at and log is not None and dist.is_main:
-        log(f"{tag}resuming at layer {resumed_at + 1}/{n_layer} (layers before it are done, in {root})")
+    if log is not None and dist.is_main:
+        if resumed_at == n_layer:
+            log(f"{tag}the calibration pass is already complete in {root}: reusing it")
+        elif resumed_at:
+            log(f"{tag}resuming at layer {resumed_at + 1}/{n_layer} (layers before it are done, in {root})")
+        sizes = [len(plan.shard(r, dist.world)) for r in range(dist.world)]
+        if dist.world > 1 and max(sizes) - min(sizes) > max(1, max(sizes) // 10):
+            log(f"the {len(plan.batches)} forward batches split unevenly over {dist.world} processes "
+                f"({min(sizes)} to {max(sizes)} each); a smaller --forward-batch balances them")
 
     hidden = [root / "hidden_0.bin", root / "hidden_1.bin"]
     if state.data["embedded"] and not _resumable(state, root, hidden, n_layer, rank_tokens * n_embd * _elem_size(dtype)):

@@ -163,7 +163,7 @@ def profile_model_dir(model_dir: str | Path, data: str | Path, out_dir: str | Pa
     """
     import shutil
 
-    from ..calibrate.plan import build_plan
+    from ..calibrate.plan import build_plan, shortfall_notes
     from ..calibrate.session import check_disk, open_session, run_key
     from ..calibrate.stream import STREAM_DIR, stream_calibration
     from ..formats._atomic import check_replaceable
@@ -176,7 +176,11 @@ def profile_model_dir(model_dir: str | Path, data: str | Path, out_dir: str | Pa
     work_dir = Path(work_dir) if work_dir is not None else Path(str(out_dir).rstrip("/") + "-work")
     dims = session.dims
     tokenizer = load_hf_tokenizer(model_dir)
-    plan = build_plan(str(data), tokenizer, {"all": max_tokens}, seq_len, batch_size, text_field=text_field)
+    caps = {"all": max_tokens}
+    plan = build_plan(str(data), tokenizer, caps, seq_len, batch_size, text_field=text_field)
+    if log is not None and session.dist.is_main:
+        for note in shortfall_notes(plan, caps, str(data)):
+            log(note)
     check_disk(work_dir, plan.total_tokens // session.dist.world + seq_len * batch_size, session, pairs=False)
     key = run_key(model_dir, data, max_tokens=max_tokens, seq_len=seq_len, batch_size=batch_size,
                   text_field=text_field)
@@ -209,5 +213,8 @@ def profile_model_dir(model_dir: str | Path, data: str | Path, out_dir: str | Pa
                 break
     session.dist.close()
     if log is not None and session.dist.is_main:
-        log(f"profiled {n_tokens} tokens in {seconds:.2f} s ({n_tokens / max(seconds, 1e-9):.0f} tok/s)")
+        if res.resumed_at:
+            log(f"profiled {n_tokens} tokens; this run did layers {res.resumed_at + 1}-{res.n_layer} in {seconds:.2f} s")
+        else:
+            log(f"profiled {n_tokens} tokens in {seconds:.2f} s ({n_tokens / max(seconds, 1e-9):.0f} tok/s)")
     return stats if session.dist.is_main else None

@@ -57,7 +57,7 @@ def train_predictor_dir(model_dir: str | Path, data: str | Path, out_dir: str | 
     text for a held-out split, or too little free disk -- before writing ``out_dir``.
     """
     from ..calibrate.hooks import torch_threads
-    from ..calibrate.plan import build_plan
+    from ..calibrate.plan import build_plan, shortfall_notes
     from ..calibrate.session import check_disk, open_session, run_key
     from ..calibrate.stream import stream_calibration
     from ..formats._atomic import check_replaceable
@@ -83,8 +83,12 @@ def train_predictor_dir(model_dir: str | Path, data: str | Path, out_dir: str | 
     family, act = session.family, session.act
     n_layer, n_embd, n_ff = session.dims["n_layer"], session.dims["n_embd"], session.dims["n_ff"]
     tokenizer = load_hf_tokenizer(model_dir)
-    plan = build_plan(str(data), tokenizer, {"train": max_tokens, "heldout": heldout_tokens}, seq_len,
-                      collect_batch_size, heldout=heldout_frac, text_field=text_field)
+    caps = {"train": max_tokens, "heldout": heldout_tokens}
+    plan = build_plan(str(data), tokenizer, caps, seq_len, collect_batch_size, heldout=heldout_frac,
+                      text_field=text_field)
+    if dist.is_main:
+        for note in shortfall_notes(plan, caps, str(data)):
+            say(note)
     check_disk(work_dir, plan.total_tokens, session, pairs=True)
     key = run_key(model_dir, data, text_field=text_field, max_tokens=max_tokens, heldout_tokens=heldout_tokens,
                   heldout_frac=heldout_frac, seq_len=seq_len, batch_size=collect_batch_size)
@@ -118,13 +122,16 @@ def train_predictor_dir(model_dir: str | Path, data: str | Path, out_dir: str | 
     t1 = time.perf_counter()
     settings = replace(settings, device=str(session.device))
     with torch_threads(threads, settings.batch_size * max(widths) * (n_embd + n_ff)):
+        resumed: dict[int, str] = {}
         if dist.world > 1:  # each rank trains its layers; rank 0 then gathers the finished checkpoints
             for i in range(dist.rank, n_layer, dist.world):
-                train_layer(collected, i, widths[i], settings, work_dir, log=say, progress=False)
-            dist.barrier()
+                resumed[i] = train_layer(collected, i, widths[i], settings, work_dir, log=say, progress=False)[1]["resumed"]
+            resumed = dist.gather_dicts(resumed)
         if dist.is_main:
-            preds, infos = train_all_layers(collected, widths, settings, work_dir, log=say,
+            preds, infos = train_all_layers(collected, widths, settings, work_dir, log=None if resumed else say,
                                             progress=progress and dist.world == 1 and sys.stderr.isatty())
+            for i, how in resumed.items():
+                infos[i]["resumed"] = how  # how the rank that trained layer i found it
     t_train = time.perf_counter() - t1
     if not dist.is_main:
         dist.barrier()
