@@ -1,14 +1,14 @@
-"""What the CPU can do fast: feature flags and native bf16 dot products.
+"""The machine: CPU feature flags, native bf16 dot products, handing freed memory back.
 
 Shared by the runtime (its ``--dtype auto``) and the calibration stages (their CPU
-default dtype).
+default dtype, their per-layer memory release).
 """
 from __future__ import annotations
 
 import platform
 from functools import lru_cache
 
-__all__ = ["cpu_flags", "cpu_has_bf16"]
+__all__ = ["cpu_flags", "cpu_has_bf16", "release_memory"]
 
 
 @lru_cache(maxsize=1)
@@ -31,3 +31,21 @@ def cpu_has_bf16(flags: frozenset[str] | set[str] | None = None) -> bool:
     if {"avx512_bf16", "amx_bf16"} & set(flags):
         return True
     return platform.machine().lower() in ("aarch64", "arm64") and "bf16" in flags
+
+
+def release_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc's ``malloc_trim``; elsewhere a no-op).
+
+    The calibration stages call it after each layer: a layer's tensors and activations are
+    tens of MB each, often below glibc's adaptive mmap threshold, so they come from the heap,
+    whose high-water mark otherwise creeps up by about one activation tensor per layer
+    (~22 MB per 7B layer measured).
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

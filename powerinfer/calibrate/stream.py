@@ -45,6 +45,7 @@ import torch
 
 from ..errors import PowerInferError
 from ..families import Activation, Family, get_attr
+from ..hardware import release_memory
 from ..formats._atomic import atomic_path
 from ..formats.collected import COLLECT_DIR, META_FILE, CollectedData, mask_file, write_meta, x_file
 from .distributed import Dist
@@ -126,23 +127,6 @@ class _Progress:
         if self.enabled and self.log is not None:
             rate = self.tokens / max(seconds, 1e-9)
             self.log(f"{self.tag}{what}: {self.tokens} tokens in {seconds:.1f} s ({rate:.0f} tok/s)")
-
-
-def _release_memory() -> None:
-    """Hand freed heap memory back to the OS after a layer (glibc's ``malloc_trim``; elsewhere a no-op).
-
-    A layer's tensors and activations are tens of MB each, below glibc's (adaptive) mmap
-    threshold, so they come from the heap; without a trim its high-water mark creeps up
-    by about one activation tensor per layer (~22 MB per 7B layer measured).
-    """
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _elem_size(dtype: torch.dtype) -> int:
@@ -296,7 +280,7 @@ def stream_calibration(model_dir: str | Path, family: Family, act: Activation, p
         counts = _run_layer(stack, layer, i, family, act, mine, hidden[buf], hidden[1 - buf], rank_tokens,
                             n_embd, n_ff, dtype, splits, split_rows, collect_root if pairs else None, prog)
         stack.free_layer(i)
-        _release_memory()
+        release_memory()
         with atomic_path(root / f"counts_{i}.pt") as tmp:
             torch.save(counts.cpu(), tmp)
         seconds = time.perf_counter() - t0

@@ -59,6 +59,7 @@ def train_predictor_dir(model_dir: str | Path, data: str | Path, out_dir: str | 
     from ..calibrate.hooks import torch_threads
     from ..calibrate.plan import build_plan, shortfall_notes
     from ..calibrate.session import check_disk, open_session, run_key
+    from ..hardware import release_memory
     from ..calibrate.stream import stream_calibration
     from ..formats._atomic import check_replaceable
     from ..formats.activation import OWNED as ACTIVATION_OWNED
@@ -126,6 +127,7 @@ def train_predictor_dir(model_dir: str | Path, data: str | Path, out_dir: str | 
         if dist.world > 1:  # each rank trains its layers; rank 0 then gathers the finished checkpoints
             for i in range(dist.rank, n_layer, dist.world):
                 resumed[i] = train_layer(collected, i, widths[i], settings, work_dir, log=say, progress=False)[1]["resumed"]
+                release_memory()
             resumed = dist.gather_dicts(resumed)
         if dist.is_main:
             preds, infos = train_all_layers(collected, widths, settings, work_dir, log=None if resumed else say,

@@ -35,7 +35,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -47,7 +47,7 @@ from ..formats.predictor import LayerPredictor
 from ..formats.collected import CollectedData, unpack_mask
 
 __all__ = ["TrainSettings", "Predictor", "default_lr", "lr_at", "deja_vu_loss", "heldout_metrics", "train_layer",
-           "train_all_layers", "FALSE_ALARM_COST"]
+           "train_all_layers", "FinishedPredictors", "FALSE_ALARM_COST"]
 
 TRAIN_DIR = "train"
 FALSE_ALARM_COST = 0.5
@@ -330,22 +330,46 @@ def train_layer(data: CollectedData, layer: int, hidden: int, settings: TrainSet
     return model.to_layer_predictor(), dict(info, resumed=resumed)
 
 
+class FinishedPredictors(Sequence[LayerPredictor]):
+    """The best predictors of finished layers, read back from their training checkpoints one at
+    a time (all of a 7B's are ~2.4 GB in float32: more than the rest of the stage needs)."""
+
+    def __init__(self, work_dir: str | Path, n_layer: int):
+        self.root, self.n_layer = Path(work_dir) / TRAIN_DIR, n_layer
+
+    def __len__(self) -> int:
+        return self.n_layer
+
+    def __getitem__(self, i: int) -> LayerPredictor:  # type: ignore[override]
+        if not 0 <= i < self.n_layer:
+            raise IndexError(i)
+        ckpt = torch.load(self.root / f"layer_{i}.pt", map_location="cpu", weights_only=True)
+        if not ckpt.get("done"):
+            raise PowerInferError(f"{self.root / f'layer_{i}.pt'}: layer {i} is not trained yet")
+        sd = ckpt["best_model"]
+        return LayerPredictor(sd["fc1.weight"].float(), sd["fc2.weight"].float())
+
+
 def train_all_layers(data: CollectedData, hidden: list[int], settings: TrainSettings, work_dir: str | Path,
                      log: Callable[[str], None] | None = None,
-                     progress: bool = False) -> tuple[list[LayerPredictor], list[dict[str, Any]]]:
+                     progress: bool = False) -> tuple[FinishedPredictors, list[dict[str, Any]]]:
     """Train every layer in order (:func:`train_layer`) and score it with :func:`heldout_metrics`.
 
-    ``hidden[i]``: layer ``i``'s width. Returns the predictors and per-layer dicts: the
-    training info plus ``recall``, ``precision``, ``pred_active``, ``true_active`` on the
-    held-out split at ``settings.threshold``.
+    ``hidden[i]``: layer ``i``'s width. Returns the predictors (read lazily from the
+    per-layer checkpoints, so memory holds one at a time) and per-layer dicts: the training
+    info plus ``recall``, ``precision``, ``pred_active``, ``true_active`` on the held-out
+    split at ``settings.threshold``.
     """
+    from ..hardware import release_memory
+
     if len(hidden) != data.n_layer:
         raise ValueError(f"need {data.n_layer} widths, got {len(hidden)}")
-    preds, infos = [], []
+    infos = []
     for i in range(data.n_layer):
         p, info = train_layer(data, i, hidden[i], settings, work_dir, log=log, progress=progress)
         info.update(heldout_metrics(p, data.inputs("heldout", i), data.masks("heldout", i), data.n_ff,
                                     settings.threshold, chunk=settings.eval_rows))
-        preds.append(p)
         infos.append(info)
-    return preds, infos
+        del p
+        release_memory()
+    return FinishedPredictors(work_dir, data.n_layer), infos
