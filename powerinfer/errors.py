@@ -10,7 +10,8 @@ class PowerInferError(Exception):
 
 
 def cli_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorate a click command: PowerInferError becomes ``Error: <message>``, exit code 1."""
+    """Decorate a click command: PowerInferError becomes ``Error: <message>``, exit code 1; so does an
+    OSError from the file system (``Error: <path>: <reason>``), e.g. a read-only or full disk."""
     import click
 
     @functools.wraps(fn)
@@ -19,5 +20,8 @@ def cli_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except PowerInferError as e:
             raise click.ClickException(str(e)) from None
+        except OSError as e:  # read-only or full disk, a file where a folder should be, ...
+            where = f"{e.filename}: " if e.filename else ""
+            raise click.ClickException(f"{where}{e.strerror or e}") from None
 
     return wrapper

@@ -352,3 +352,68 @@ def test_a_state_whose_files_are_gone_starts_over(tmp_path, monkeypatch):
     assert stats["stream"]["resumed_at_layer"] == 0
     profile_model_dir(d, text, tmp_path / "b", max_tokens=64, seq_len=32, batch_size=2)
     assert all(torch.equal(a, b) for a, b in zip(load_activation_dir(tmp_path / "a"), load_activation_dir(tmp_path / "b")))
+
+
+# --------------------------------------------------------------------------- bad input, before any work
+def test_hf_cache_layout_with_symlinked_shards_is_read(tmp_path):
+    """The HF download cache links every file of snapshots/<rev>/ to ../../blobs/<hash>."""
+    from transformers import AutoModelForCausalLM
+
+    src = make_tiny_llama(tmp_path / "src", n_layer=2, seed=10)
+    AutoModelForCausalLM.from_pretrained(src).save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    snap, blobs = tmp_path / "cache" / "snapshots" / "rev", tmp_path / "cache" / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    for k, f in enumerate(sorted((tmp_path / "sharded").iterdir()) + [src / "tokenizer.model", src / "tokenizer_config.json"]):
+        (blobs / f"h{k}").write_bytes(f.read_bytes())
+        (snap / f.name).symlink_to(Path("..") / ".." / "blobs" / f"h{k}")
+    text = tmp_path / "t.txt"
+    text.write_text(story_text(2000))
+    ref = _stream(src, text, tmp_path / "w0", {"all": 100})[3]
+    got = _stream(snap, text, tmp_path / "w1", {"all": 100})[3]
+    assert all(torch.equal(a, b) for a, b in zip(ref.all_counts(), got.all_counts()))
+
+
+@pytest.mark.parametrize("case", ["fewer_layers", "more_layers", "no_tokenizer", "overlap", "work_is_file"])
+def test_mistakes_are_refused_before_the_pass_and_leave_nothing(case, tmp_path):
+    d = make_tiny_llama(tmp_path / "m", n_layer=3, seed=11)
+    text = tmp_path / "t.txt"
+    text.write_text(story_text(2000))
+    out, work = tmp_path / "a", tmp_path / "a-work"
+    if case in ("fewer_layers", "more_layers"):
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["num_hidden_layers"] = 2 if case == "fewer_layers" else 5
+        (d / "config.json").write_text(json.dumps(cfg))
+        want = f"num_hidden_layers is {cfg['num_hidden_layers']} but the checkpoint holds 3 decoder layers"
+    elif case == "no_tokenizer":
+        (d / "tokenizer.model").unlink()
+        want = "special or unknown tokens"
+    elif case == "overlap":
+        work = out / "w"
+        want = "overlap"
+    else:
+        work = tmp_path / "afile"
+        work.write_text("mine")
+        want = "is a file"
+    r = CliRunner().invoke(profile_main, [str(d), "--data", str(text), "--out", str(out), "--work-dir", str(work),
+                                          "--max-tokens", "64"])
+    assert r.exit_code == 1 and want in r.output and "Traceback" not in r.output, r.output
+    assert not out.exists()
+    assert case == "work_is_file" or not work.exists()
+
+
+def test_two_runs_cannot_share_a_work_folder(tmp_path):
+    from powerinfer.calibrate.stream import _lock
+
+    (tmp_path / "w" / "stream").mkdir(parents=True)
+    held = _lock(tmp_path / "w" / "stream" / "rank0of1.lock")
+    d = make_tiny_llama(tmp_path / "m", n_layer=2, seed=12)
+    text = tmp_path / "t.txt"
+    text.write_text(story_text(2000))
+    r = CliRunner().invoke(profile_main, [str(d), "--data", str(text), "--out", str(tmp_path / "a"),
+                                          "--work-dir", str(tmp_path / "w"), "--max-tokens", "64"])
+    assert r.exit_code == 1 and "another calibration run is using this work folder" in r.output
+    held.close()
+    r = CliRunner().invoke(profile_main, [str(d), "--data", str(text), "--out", str(tmp_path / "a"),
+                                          "--work-dir", str(tmp_path / "w"), "--max-tokens", "64"])
+    assert r.exit_code == 0, r.output

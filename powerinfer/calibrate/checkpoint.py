@@ -80,14 +80,14 @@ class CheckpointReader:
         wm = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(wm, dict) or not wm or len(wm) > MAX_TENSORS:
             raise PowerInferError(f"{index}: no usable weight_map")
-        root = self.model_dir.resolve()
         for name, file in wm.items():
             if not isinstance(name, str) or not isinstance(file, str):
                 raise PowerInferError(f"{index}: weight_map entries must be strings")
-            p = (self.model_dir / file).resolve()
-            if root not in p.parents:
-                raise PowerInferError(f"{index}: shard {file!r} lies outside the model folder")
-            self._files[name] = p
+            # the shard's *name* must stay in the folder; its file may be a symlink (the HF cache's are)
+            parts = Path(file).parts
+            if not file or len(file) > 255 or "\x00" in file or Path(file).is_absolute() or ".." in parts:
+                raise PowerInferError(f"{index}: shard {file[:80]!r} lies outside the model folder")
+            self._files[name] = self.model_dir / file
         missing = sorted({p for p in self._files.values() if not p.is_file()})
         if missing:
             raise PowerInferError(f"{missing[0]}: shard named in {index.name} is missing")
@@ -142,6 +142,26 @@ class CheckpointReader:
         elif p:
             cands.append(p + key)
         return next((c for c in cands if c in self._files), None)
+
+    def names(self) -> list[str]:
+        """Every tensor name in the checkpoint (its own spelling)."""
+        return list(self._files)
+
+    def shape(self, key: str) -> tuple[int, ...] | None:
+        """Shape of tensor ``key`` (model naming) from the shard's header, without reading it;
+        None when absent."""
+        name = self.resolve(key)
+        if name is None:
+            return None
+        path = self._files[name]
+        try:
+            if path.suffix == ".safetensors":
+                return tuple(self._open_safe(path).get_slice(name).get_shape())
+            return tuple(self._open_bin(path)[name].shape)
+        except PowerInferError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise PowerInferError(f"{path}: could not read tensor {name!r} ({str(e).splitlines()[0]})") from None
 
     def __contains__(self, key: str) -> bool:
         return self.resolve(key) is not None

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import PowerInferError
 
-__all__ = ["Dist", "init_distributed", "resolve_device"]
+__all__ = ["Dist", "init_distributed", "resolve_device", "env_int"]
 
 
 @dataclass
@@ -71,6 +71,15 @@ class Dist:
                 dist.destroy_process_group()
 
 
+def env_int(name: str, default: int) -> int:
+    """A non-negative integer from the environment torchrun sets. Raises PowerInferError."""
+    raw = os.environ.get(name, "") or str(default)
+    if not raw.isdigit() or int(raw) > 1 << 20:
+        raise PowerInferError(f"environment variable {name}={raw!r}: expected a small non-negative integer "
+                              f"(torchrun sets it)")
+    return int(raw)
+
+
 def resolve_device(device: str, local_rank: int = 0) -> torch.device:
     """``cpu``, ``cuda`` (this process's GPU: ``cuda:LOCAL_RANK``) or ``cuda:N``.
 
@@ -101,13 +110,12 @@ def init_distributed(device: torch.device | str = "cpu") -> Dist:
     Backend: nccl when ``device`` is a GPU, gloo otherwise. Raises PowerInferError when
     the environment names a job but the process group cannot be formed.
     """
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    world = env_int("WORLD_SIZE", 1)
     if world <= 1:
         return Dist()
     import torch.distributed as dist
 
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    rank, local_rank = env_int("RANK", 0), env_int("LOCAL_RANK", 0)
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
     if not dist.is_initialized():
         try:

@@ -57,14 +57,45 @@ class LayerStack:
 
         self.model_dir, self.family, self.dtype, self.device = Path(model_dir), family, dtype, torch.device(device)
         config = load_hf_config(model_dir)
+        self.reader = CheckpointReader(model_dir, "")
+        self._check_layer_count(int(config.num_hidden_layers))
         with torch.device("meta"):
             self.model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
         self.model.eval()
         self.layers = list(get_attr(self.model, family.layers_attr))
         self.n_layer = len(self.layers)
-        self.reader = CheckpointReader(model_dir, self.model.base_model_prefix)
+        self.reader.prefix = self.model.base_model_prefix
         self._kwargs: dict[tuple[int, int], tuple[tuple, dict]] = {}
+        self.check_shapes()
         self._materialize_stem()
+
+    # ------------------------------------------------------------------ checks before any work
+    def _check_layer_count(self, n_config: int) -> None:
+        """The config's ``num_hidden_layers`` must be the checkpoint's layer count (a wrong one
+        would profile part of the model, or fail hours in)."""
+        import re
+
+        last = re.escape(self.family.layers_attr.split(".")[-1])
+        pat = re.compile(rf"(?:^|\.){last}\.(\d+)\.")
+        found = {int(m.group(1)) for n in self.reader.names() if (m := pat.search(n))}
+        n_ckpt = max(found) + 1 if found else 0
+        if n_config != n_ckpt:
+            raise PowerInferError(f"{self.model_dir / 'config.json'}: num_hidden_layers is {n_config} but the "
+                                  f"checkpoint holds {n_ckpt} decoder layers")
+
+    def check_shapes(self) -> None:
+        """Every tensor of every decoder layer is in the checkpoint with the shape the config
+        implies (read from the shard headers: no weights are loaded). Raises PowerInferError."""
+        for i, layer in enumerate(self.layers):
+            for name, t in layer.state_dict(keep_vars=True).items():
+                key = self.layer_key(i, name)
+                shape = self.reader.shape(key)
+                if shape is None:
+                    raise PowerInferError(f"{self.model_dir}: checkpoint has no tensor {key!r}, which the model needs")
+                if shape != tuple(t.shape):
+                    raise PowerInferError(f"{self.model_dir}: tensor {key!r} has shape {shape}, the config implies "
+                                          f"{tuple(t.shape)}")
+        self.reader.close()
 
     # ------------------------------------------------------------------ sizes
     def n_params(self) -> int:
@@ -94,6 +125,8 @@ class LayerStack:
             if key not in self.reader:
                 raise PowerInferError(f"{self.model_dir}: checkpoint has no tensor {key!r}, which the model needs")
             loaded[name] = self.reader.get(key, self.dtype if t.is_floating_point() else None, self.device)
+            if t.is_floating_point() and not loaded[name].is_floating_point():
+                raise PowerInferError(f"{self.model_dir}: tensor {key!r} holds {loaded[name].dtype}, not floats")
             if tuple(loaded[name].shape) != tuple(t.shape):
                 raise PowerInferError(f"{self.model_dir}: tensor {key!r} has shape {tuple(loaded[name].shape)}, "
                                       f"the config implies {tuple(t.shape)}")

@@ -22,7 +22,7 @@ import torch
 
 from ..errors import PowerInferError
 
-__all__ = ["Batch", "CalibrationPlan", "build_plan", "shortfall_notes"]
+__all__ = ["Batch", "CalibrationPlan", "build_plan", "shortfall_notes", "check_tokens"]
 
 
 @dataclass(frozen=True)
@@ -97,3 +97,25 @@ def shortfall_notes(plan: CalibrationPlan, caps: dict[str, int | None], data: st
     return [f"{data}: the {split} split gave only {got[split]} tokens of the {cap} asked for "
             f"(the text ran out; more text gives better statistics)"
             for split, cap in caps.items() if cap is not None and got[split] < 0.9 * cap]
+
+
+def check_tokens(plan: CalibrationPlan, tokenizer, vocab_size: int | None, model_dir: str) -> None:
+    """Refuse token streams the model cannot or should not be calibrated on.
+
+    * an id at or past the model's ``vocab_size`` (a tokenizer from another model);
+    * more than half the tokens special or unknown (BOS/EOS/UNK/PAD): the tokenizer files
+      are missing or do not fit the text (transformers then builds a near-empty tokenizer
+      that turns any text into separators, and the counts would mean nothing).
+
+    Raises PowerInferError naming the model folder.
+    """
+    ids = torch.cat([b.ids.reshape(-1) for b in plan.batches])
+    if vocab_size is not None and int(ids.max()) >= vocab_size:
+        raise PowerInferError(f"{model_dir}: the tokenizer produced token id {int(ids.max())} but the model's "
+                              f"vocab_size is {vocab_size}: tokenizer and weights are from different models")
+    special = sorted({int(t) for t in (getattr(tokenizer, "all_special_ids", None) or []) if t is not None})
+    if special:
+        share = float(torch.isin(ids, torch.tensor(special)).float().mean())
+        if share > 0.5:
+            raise PowerInferError(f"{model_dir}: {share:.0%} of the calibration tokens are special or unknown "
+                                  f"tokens: the tokenizer files are missing or do not fit this text")

@@ -13,11 +13,11 @@ import torch
 from ..errors import PowerInferError
 from ..families import Activation, Family, hf_dims
 from ..formats.collected import fingerprint
-from .distributed import Dist, init_distributed, resolve_device
+from .distributed import Dist, env_int, init_distributed, resolve_device
 from .hooks import require_sparse
 from .stream import DTYPES
 
-__all__ = ["CalibrationSession", "open_session", "default_dtype", "run_key", "check_disk"]
+__all__ = ["CalibrationSession", "open_session", "default_dtype", "run_key", "check_disk", "check_paths"]
 
 
 def default_dtype(device: torch.device) -> str:
@@ -64,7 +64,7 @@ def open_session(model_dir: str | Path, what: str, device: str = "cpu", dtype: s
     family, cfg, act = resolve_model(model_dir)
     require_sparse(act, model_dir, what)
     dims = hf_dims(cfg)
-    dev = resolve_device(device, int(os.environ.get("LOCAL_RANK", "0") or 0))
+    dev = resolve_device(device, env_int("LOCAL_RANK", 0))
     name = dtype or default_dtype(dev)
     if name not in DTYPES:
         raise PowerInferError(f"--dtype {name!r}: expected one of {', '.join(DTYPES)}")
@@ -90,8 +90,33 @@ def check_disk(work_dir: Path, n_tokens: int, s: CalibrationSession, pairs: bool
     need = 2 * n_tokens * d["n_embd"] * elem
     if pairs:
         need += n_tokens * d["n_layer"] * (2 * d["n_embd"] + (d["n_ff"] + 7) // 8)
-    work_dir.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(work_dir).free
+    probe = work_dir
+    while not probe.exists() and probe != probe.parent:  # nothing is created before the pass starts
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise PowerInferError(f"{probe}: is a file, so --work-dir {work_dir} cannot be a folder")
+    free = shutil.disk_usage(probe).free
     if need > free:
-        raise PowerInferError(f"{work_dir}: calibrating {n_tokens} tokens needs about {need / 2**30:.1f} GiB of disk "
-                              f"but only {free / 2**30:.1f} GiB is free (lower --max-tokens or pick another --work-dir)")
+        raise PowerInferError(f"{work_dir}: calibrating {n_tokens} tokens needs about {need / 2**30:.2f} GiB of disk "
+                              f"but only {free / 2**30:.2f} GiB is free (lower --max-tokens or pick another --work-dir)")
+
+
+def check_paths(**paths: Path | str | None) -> None:
+    """The stage's output folders (``out=``, ``work_dir=``, ``activation_out=`` ...) must be
+    separate (none inside another) and creatable -- checked before hours of work, not after.
+    Raises PowerInferError naming the options."""
+    given = {k: Path(v).resolve() for k, v in paths.items() if v is not None}
+    names = list(given)
+    for a_i, a in enumerate(names):
+        for b in names[a_i + 1:]:
+            pa, pb = given[a], given[b]
+            if pa == pb or pa in pb.parents or pb in pa.parents:
+                raise PowerInferError(f"--{a.replace('_', '-')} {paths[a]} and --{b.replace('_', '-')} {paths[b]} "
+                                      f"overlap; give each its own folder")
+    for k, p in given.items():
+        probe = p
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        folder = probe if probe.is_dir() else probe.parent
+        if not os.access(folder, os.W_OK):
+            raise PowerInferError(f"{paths[k]}: cannot be written (--{k.replace('_', '-')}: {folder} is not writable)")

@@ -129,16 +129,41 @@ class _Progress:
             self.log(f"{self.tag}{what}: {self.tokens} tokens in {seconds:.1f} s ({rate:.0f} tok/s)")
 
 
+def _lock(path: Path):
+    """Hold an exclusive lock on ``path`` (an open file; closing it releases the lock): two runs
+    sharing a work folder would overwrite each other's hidden states. Raises PowerInferError
+    when another process holds it."""
+    import fcntl
+
+    f = open(path, "a")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise PowerInferError(f"{path.parent.parent}: another calibration run is using this work folder "
+                              f"(lock {path.name}); wait for it or pick another --work-dir") from None
+    return f
+
+
 def _elem_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _resumable(state: "_State", root: Path, hidden: list[Path], n_layer: int, hidden_bytes: int) -> bool:
+def _resumable(state: "_State", root: Path, hidden: list[Path], n_layer: int, hidden_bytes: int, n_split: int,
+               n_ff: int) -> bool:
     """Whether a saved state's files are all there: counts of every finished layer and, when
     layers remain, the next layer's full-size input file."""
     nxt = int(state.data["next_layer"])
-    if not 0 <= nxt <= n_layer or any(not (root / f"counts_{i}.pt").is_file() for i in range(nxt)):
+    if not 0 <= nxt <= n_layer:
         return False
+    for i in range(nxt):
+        try:
+            c = torch.load(root / f"counts_{i}.pt", weights_only=True)
+        except Exception:  # noqa: BLE001 - missing or damaged: that layer must run again
+            return False
+        if not isinstance(c, torch.Tensor) or c.dtype != torch.int64 or c.dim() != 2 or c.shape[0] != n_split \
+                or c.shape[1] != n_ff:
+            return False
     if nxt == n_layer:
         return True
     src = hidden[int(state.data["buffer"]) % 2]
@@ -166,6 +191,11 @@ class _State:
             return False
         if not isinstance(d, dict) or d.get("version") != STATE_VERSION or d.get("key") != self.key:
             return False
+        ok = (isinstance(d.get("embedded"), bool) and type(d.get("next_layer")) is int and d["next_layer"] >= 0
+              and d.get("buffer") in (0, 1) and isinstance(d.get("layer_seconds"), dict)
+              and isinstance(d.get("embed_seconds"), (int, float)))
+        if not ok:
+            return False  # damaged: treated as another run's
         self.data = d
         return True
 
@@ -210,8 +240,10 @@ def stream_calibration(model_dir: str | Path, family: Family, act: Activation, p
     dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
     key = _json_norm(dict(key, dtype=dtype_name, device=device.type, world=dist.world, pairs=pairs))
     work_dir = Path(work_dir)
+    stack = LayerStack(model_dir, family, dtype, device)  # checks the checkpoint before any file is written
     root = work_dir / STREAM_DIR / f"rank{dist.rank}of{dist.world}"
     root.mkdir(parents=True, exist_ok=True)
+    lock = _lock(work_dir / STREAM_DIR / f"rank{dist.rank}of{dist.world}.lock")
     state = _State(root, key)
     if not state.load():
         if state.path.is_file() and log is not None and dist.is_main:
@@ -227,7 +259,6 @@ def stream_calibration(model_dir: str | Path, family: Family, act: Activation, p
         if have is not None and have.key != key and dist.is_main:
             (collect_root / META_FILE).unlink()
 
-    stack = LayerStack(model_dir, family, dtype, device)
     n_layer = stack.n_layer
     if n_layer == 0:
         raise PowerInferError(f"{model_dir}: the model has no decoder layers")
@@ -240,6 +271,12 @@ def stream_calibration(model_dir: str | Path, family: Family, act: Activation, p
     split_rows = plan.n_tokens
     tag = f"[rank {dist.rank}] " if dist.world > 1 else ""
     prog = _Progress(progress and (dist.is_main or dist.world == 1), log, n_layer, rank_tokens, tag)
+    hidden = [root / "hidden_0.bin", root / "hidden_1.bin"]
+    if state.data["embedded"] and not _resumable(state, root, hidden, n_layer, rank_tokens * n_embd * _elem_size(dtype),
+                                                 len(splits), n_ff):
+        if log is not None:
+            log(f"{tag}{root}: the saved state is incomplete (files missing or cut short); starting over")
+        state.data.update(embedded=False, next_layer=0, buffer=0, layer_seconds={})
     resumed_at = int(state.data["next_layer"]) if state.data["embedded"] else 0
     if log is not None and dist.is_main:
         if resumed_at == n_layer:
@@ -251,12 +288,6 @@ def stream_calibration(model_dir: str | Path, family: Family, act: Activation, p
             log(f"the {len(plan.batches)} forward batches split unevenly over {dist.world} processes "
                 f"({min(sizes)} to {max(sizes)} each); a smaller --forward-batch balances them")
 
-    hidden = [root / "hidden_0.bin", root / "hidden_1.bin"]
-    if state.data["embedded"] and not _resumable(state, root, hidden, n_layer, rank_tokens * n_embd * _elem_size(dtype)):
-        if log is not None:
-            log(f"{tag}{root}: the saved state is incomplete (files missing or cut short); starting over")
-        state.data.update(embedded=False, next_layer=0, buffer=0, layer_seconds={})
-        resumed_at = 0
     if not state.data["embedded"]:
         t0 = time.perf_counter()
         prog.start("embed")
@@ -315,6 +346,7 @@ def stream_calibration(model_dir: str | Path, family: Family, act: Activation, p
         for h in hidden:  # the hidden states are GBs at 7B scale and no longer needed
             h.unlink(missing_ok=True)
     seconds = [float(state.data["layer_seconds"].get(str(i), 0.0)) for i in range(done)]
+    lock.close()
     return StreamResult(counts=counts_by_split, n_tokens=n_tokens, n_layer=n_layer, n_embd=n_embd, n_ff=n_ff,
                         n_params=stack.n_params(), layer_seconds=seconds,
                         embed_seconds=float(state.data["embed_seconds"]), rank_tokens=rank_tokens,

@@ -105,10 +105,17 @@ class CollectedData:
             meta = json.loads((root / META_FILE).read_text())
         except (OSError, json.JSONDecodeError):
             return None
-        if not meta.get("complete") or meta.get("format") != FORMAT_VERSION:
+        if not isinstance(meta, dict) or not meta.get("complete") or meta.get("format") != FORMAT_VERSION:
             return None
-        return cls(root, meta["n_layer"], meta["n_embd"], meta["n_ff"], meta["n_tokens"],
-                   meta["active_share"], meta["key"])
+        try:
+            dims = [meta[k] for k in ("n_layer", "n_embd", "n_ff")]
+            n_tokens, share, key = dict(meta["n_tokens"]), dict(meta["active_share"]), meta["key"]
+        except (KeyError, TypeError, ValueError):
+            return None  # not ours or damaged: collected again
+        if not all(isinstance(v, int) and 0 < v <= 1 << 22 for v in dims) or \
+                not all(isinstance(v, int) and 0 < v <= 1 << 40 for v in n_tokens.values()):
+            return None
+        return cls(root, *dims, n_tokens, share, key)
 
 
 def write_meta(root: Path, n_layer: int, n_embd: int, n_ff: int, n_tokens: dict[str, int],

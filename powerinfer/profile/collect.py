@@ -163,8 +163,8 @@ def profile_model_dir(model_dir: str | Path, data: str | Path, out_dir: str | Pa
     """
     import shutil
 
-    from ..calibrate.plan import build_plan, shortfall_notes
-    from ..calibrate.session import check_disk, open_session, run_key
+    from ..calibrate.plan import build_plan, check_tokens, shortfall_notes
+    from ..calibrate.session import check_disk, check_paths, open_session, run_key
     from ..calibrate.stream import STREAM_DIR, stream_calibration
     from ..formats._atomic import check_replaceable
     from ..formats.activation import OWNED as ACTIVATION_OWNED
@@ -174,10 +174,12 @@ def profile_model_dir(model_dir: str | Path, data: str | Path, out_dir: str | Pa
     session = open_session(model_dir, "profiling", device, dtype)
     check_replaceable(Path(out_dir), ACTIVATION_OWNED)
     work_dir = Path(work_dir) if work_dir is not None else Path(str(out_dir).rstrip("/") + "-work")
+    check_paths(out=out_dir, work_dir=work_dir)
     dims = session.dims
     tokenizer = load_hf_tokenizer(model_dir)
     caps = {"all": max_tokens}
     plan = build_plan(str(data), tokenizer, caps, seq_len, batch_size, text_field=text_field)
+    check_tokens(plan, tokenizer, session.cfg.get("vocab_size"), str(model_dir))
     if log is not None and session.dist.is_main:
         for note in shortfall_notes(plan, caps, str(data)):
             log(note)
@@ -203,7 +205,9 @@ def profile_model_dir(model_dir: str | Path, data: str | Path, out_dir: str | Pa
     if session.dist.is_main:
         save_activation_dir(out_dir, counts, stats)
     session.dist.barrier()
-    shutil.rmtree(work_dir / STREAM_DIR / f"rank{session.dist.rank}of{session.dist.world}", ignore_errors=True)
+    rank_dir = work_dir / STREAM_DIR / f"rank{session.dist.rank}of{session.dist.world}"
+    shutil.rmtree(rank_dir, ignore_errors=True)
+    rank_dir.with_suffix(".lock").unlink(missing_ok=True)
     session.dist.barrier()
     if session.dist.is_main:
         for p in (work_dir / STREAM_DIR, work_dir):  # only if nothing else is in there

@@ -57,8 +57,8 @@ def train_predictor_dir(model_dir: str | Path, data: str | Path, out_dir: str | 
     text for a held-out split, or too little free disk -- before writing ``out_dir``.
     """
     from ..calibrate.hooks import torch_threads
-    from ..calibrate.plan import build_plan, shortfall_notes
-    from ..calibrate.session import check_disk, open_session, run_key
+    from ..calibrate.plan import build_plan, check_tokens, shortfall_notes
+    from ..calibrate.session import check_disk, check_paths, open_session, run_key
     from ..hardware import release_memory
     from ..calibrate.stream import stream_calibration
     from ..formats._atomic import check_replaceable
@@ -81,12 +81,14 @@ def train_predictor_dir(model_dir: str | Path, data: str | Path, out_dir: str | 
     check_replaceable(Path(out_dir), PREDICTOR_OWNED)
     if activation_out is not None:
         check_replaceable(Path(activation_out), ACTIVATION_OWNED)
+    check_paths(out=out_dir, work_dir=work_dir, activation_out=activation_out)
     family, act = session.family, session.act
     n_layer, n_embd, n_ff = session.dims["n_layer"], session.dims["n_embd"], session.dims["n_ff"]
     tokenizer = load_hf_tokenizer(model_dir)
     caps = {"train": max_tokens, "heldout": heldout_tokens}
     plan = build_plan(str(data), tokenizer, caps, seq_len, collect_batch_size, heldout=heldout_frac,
                       text_field=text_field)
+    check_tokens(plan, tokenizer, session.cfg.get("vocab_size"), str(model_dir))
     if dist.is_main:
         for note in shortfall_notes(plan, caps, str(data)):
             say(note)
