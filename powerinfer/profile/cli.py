@@ -43,8 +43,8 @@ def profile_table(stats: dict[str, Any]) -> str:
 @click.command(context_settings=dict(help_option_names=["-h", "--help"]))
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.option("--data", required=True, type=str,
-              help="Calibration text: .txt (paragraphs), .json/.jsonl (field --text-field), a folder of "
-                   "those, or hf:NAME[:CONFIG].")
+              help="Calibration text: any UTF-8 text file (paragraphs end at blank lines; e.g. WikiText's "
+                   ".raw), .json/.jsonl (field --text-field), a folder of those, or hf:NAME[:CONFIG].")
 @click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path),
               help="Output folder for activation_{i}.pt (replaced atomically).")
 @click.option("--max-tokens", default=65536, show_default=True, type=click.IntRange(min=1),

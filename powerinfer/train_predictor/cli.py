@@ -31,8 +31,9 @@ def predictor_table(config: dict[str, Any]) -> str:
 @click.command(context_settings=dict(help_option_names=["-h", "--help"]))
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.option("--data", required=True, type=str,
-              help="Calibration text: .txt (paragraphs), .json/.jsonl (field --text-field), a folder of "
-                   "those, or hf:NAME[:CONFIG]. The last --heldout-frac of its documents is held out.")
+              help="Calibration text: any UTF-8 text file (paragraphs end at blank lines; e.g. WikiText's "
+                   ".raw), .json/.jsonl (field --text-field), a folder of those, or hf:NAME[:CONFIG]. The last "
+                   "--heldout-frac of it is held out.")
 @click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path),
               help="Predictor folder to write (model_{i}.pt + config.json, replaced atomically).")
 @click.option("--max-tokens", default=65536, show_default=True, type=click.IntRange(min=2),
@@ -40,7 +41,8 @@ def predictor_table(config: dict[str, Any]) -> str:
 @click.option("--heldout-tokens", default=None, type=click.IntRange(min=2),
               help="Held-out tokens to collect [default: max-tokens / 4].")
 @click.option("--heldout-frac", default=0.1, show_default=True, type=click.FloatRange(0, 1, min_open=True, max_open=True),
-              help="Share of documents (the last ones) held out for early stopping and metrics.")
+              help="Share of the documents (the last ones; of the tokens for texts under 20 documents) held "
+                   "out for early stopping and metrics.")
 @click.option("--seq-len", default=256, show_default=True, type=click.IntRange(min=2),
               help="Tokens per packed sequence.")
 @click.option("--epochs", default=20, show_default=True, type=click.IntRange(min=1), help="Maximum epochs per layer.")
