@@ -92,11 +92,11 @@ def build_plan(data: str, tokenizer, caps: dict[str, int | None], seq_len: int, 
 
 
 def shortfall_notes(plan: CalibrationPlan, caps: dict[str, int | None], data: str) -> list[str]:
-    """One line per split whose text gave under 90% of the tokens asked for (for the stages' logs)."""
+    """One line per split whose text gave under half the tokens asked for (for the stages' logs)."""
     got = plan.n_tokens
     return [f"{data}: the {split} split gave only {got[split]} tokens of the {cap} asked for "
             f"(the text ran out; more text gives better statistics)"
-            for split, cap in caps.items() if cap is not None and got[split] < 0.9 * cap]
+            for split, cap in caps.items() if cap is not None and got[split] < 0.5 * cap]
 
 
 def check_tokens(plan: CalibrationPlan, tokenizer, vocab_size: int | None, model_dir: str) -> None:
