@@ -36,8 +36,8 @@ therefore deleted before their stage unless ``--reuse``, and a run claims OUT wi
 ``OUT/.bench_calibration.pid`` (a second run on the same OUT is refused). Timings need the cores to
 themselves (see benchmarks/README.md); the load average is printed before each stage.
 
-    python benchmarks/bench_calibration.py out/full7b --data ../shared/data/tinystories/tinystories_sample.txt \\
-        --max-tokens 4096 --threads 2 --out out/calib-7b --json out/calib-7b/bench.json
+    python benchmarks/bench_calibration.py out/full7b --data ../shared/data/wikitext-2-raw/wiki.test.raw \\
+        --max-tokens 2048 --heldout-tokens 512 --epochs 3 --threads 2 --out out/calib-7b --json out/calib-7b/bench.json
     python benchmarks/bench_calibration.py powerinfer/assets/stories260K-relu \\
         --data powerinfer/assets/calibration.txt --max-tokens 2048        # a smoke run
 """
