@@ -17,12 +17,11 @@ import powerinfer.calibrate.stream as stream_mod
 from powerinfer.calibrate.checkpoint import CheckpointReader
 from powerinfer.calibrate.hooks import ActiveNeuronHooks
 from powerinfer.calibrate.plan import build_plan
-from powerinfer.calibrate.store import pack_mask, unpack_mask_torch
 from powerinfer.calibrate.stream import stream_calibration
 from powerinfer.errors import PowerInferError
 from powerinfer.families import get_attr, model_layers
 from powerinfer.formats.activation import load_activation_dir
-from powerinfer.formats.collected import unpack_mask
+from powerinfer.formats.collected import pack_mask, unpack_mask, unpack_mask_torch
 from powerinfer.hf import load_hf_model, load_hf_tokenizer, resolve_model
 from powerinfer.profile.cli import main as profile_main
 from powerinfer.profile.collect import count_active_neurons, forward_layers, profile_model_dir
@@ -237,18 +236,26 @@ def test_killed_profile_resumes_at_its_layer_and_matches_an_uninterrupted_run(tm
     assert not (tmp_path / "out-work").exists()  # cleaned up after success
 
 
-def test_changed_settings_do_not_reuse_a_half_done_pass(tmp_path, monkeypatch):
+@pytest.mark.parametrize("change", ["settings", "hidden_files_gone"])
+def test_a_half_done_pass_that_cannot_be_reused_starts_over(change, tmp_path, monkeypatch):
+    """Other settings (a different key), or a state whose hidden-state files were deleted (a
+    cleaned-up /tmp): the rerun starts at layer 1 and ends equal to a fresh run."""
     d = make_tiny_llama(tmp_path / "m", n_layer=3, seed=5)
     text = tmp_path / "t.txt"
     text.write_text(story_text(3000))
-    monkeypatch.setattr(stream_mod, "_run_layer", dies_at(1, SystemExit))
-    with pytest.raises(SystemExit):
-        profile_model_dir(d, text, tmp_path / "a", max_tokens=128, seq_len=32, batch_size=2)
+    kw = dict(seq_len=32, batch_size=2)
+    monkeypatch.setattr(stream_mod, "_run_layer", dies_at(1, KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        profile_model_dir(d, text, tmp_path / "a", max_tokens=128, **kw)
     monkeypatch.undo()
-    stats = profile_model_dir(d, text, tmp_path / "a", max_tokens=96, seq_len=32, batch_size=2)
-    assert stats["stream"]["resumed_at_layer"] == 0 and stats["n_tokens"] == 96
-    profile_model_dir(d, text, tmp_path / "b", max_tokens=96, seq_len=32, batch_size=2)
-    assert all(torch.equal(a, b) for a, b in zip(load_activation_dir(tmp_path / "a"), load_activation_dir(tmp_path / "b")))
+    if change == "hidden_files_gone":
+        for h in (tmp_path / "a-work").rglob("hidden_*.bin"):
+            h.unlink()
+    tokens = 96 if change == "settings" else 128
+    stats = profile_model_dir(d, text, tmp_path / "a", max_tokens=tokens, **kw)
+    assert stats["stream"]["resumed_at_layer"] == 0 and stats["n_tokens"] == tokens
+    profile_model_dir(d, text, tmp_path / "b", max_tokens=tokens, **kw)
+    assert all(torch.equal(x, y) for x, y in zip(load_activation_dir(tmp_path / "a"), load_activation_dir(tmp_path / "b")))
 
 
 # --------------------------------------------------------------------------- progress and options
@@ -336,22 +343,6 @@ def test_nan_weights_are_named_not_counted(tmp_path):
 
     r = _profile_edited(tmp_path, poison, seed=8)
     assert "layer 1: hidden states became NaN or infinite" in r.output
-
-
-def test_a_state_whose_files_are_gone_starts_over(tmp_path, monkeypatch):
-    d = make_tiny_llama(tmp_path / "m", n_layer=3, seed=9)
-    text = tmp_path / "t.txt"
-    text.write_text(story_text(2000))
-    monkeypatch.setattr(stream_mod, "_run_layer", dies_at(1, KeyboardInterrupt))
-    with pytest.raises(KeyboardInterrupt):
-        profile_model_dir(d, text, tmp_path / "a", max_tokens=64, seq_len=32, batch_size=2)
-    monkeypatch.undo()
-    for h in (tmp_path / "a-work").rglob("hidden_*.bin"):
-        h.unlink()  # e.g. a cleaned-up /tmp
-    stats = profile_model_dir(d, text, tmp_path / "a", max_tokens=64, seq_len=32, batch_size=2)
-    assert stats["stream"]["resumed_at_layer"] == 0
-    profile_model_dir(d, text, tmp_path / "b", max_tokens=64, seq_len=32, batch_size=2)
-    assert all(torch.equal(a, b) for a, b in zip(load_activation_dir(tmp_path / "a"), load_activation_dir(tmp_path / "b")))
 
 
 # --------------------------------------------------------------------------- bad input, before any work

@@ -5,7 +5,6 @@ import itertools
 import json
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 import powerinfer.data as data_mod

@@ -21,7 +21,6 @@ Peak memory is the stem plus one layer, whatever ``n_layer`` is.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 

@@ -15,7 +15,7 @@ from ..families import Activation, Family, hf_dims
 from ..formats.collected import fingerprint
 from .distributed import Dist, env_int, init_distributed, resolve_device
 from .hooks import require_sparse
-from .stream import DTYPES
+from .stream import DTYPES, dtype_name
 
 __all__ = ["CalibrationSession", "open_session", "default_dtype", "run_key", "check_disk", "check_paths"]
 
@@ -50,7 +50,7 @@ class CalibrationSession:
 
     @property
     def dtype_name(self) -> str:
-        return next(k for k, v in DTYPES.items() if v == self.dtype)
+        return dtype_name(self.dtype)
 
 
 def open_session(model_dir: str | Path, what: str, device: str = "cpu", dtype: str | None = None) -> CalibrationSession:
@@ -79,6 +79,13 @@ def run_key(model_dir: str | Path, data: str | Path, **settings: Any) -> dict[st
                 data_files=fingerprint(data), **settings)
 
 
+def _existing_parent(p: Path) -> Path:
+    """``p`` itself or its nearest existing ancestor."""
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
 def check_disk(work_dir: Path, n_tokens: int, s: CalibrationSession, pairs: bool) -> None:
     """Refuse to start when the work folder's disk cannot hold the run's files.
 
@@ -90,9 +97,7 @@ def check_disk(work_dir: Path, n_tokens: int, s: CalibrationSession, pairs: bool
     need = 2 * n_tokens * d["n_embd"] * elem
     if pairs:
         need += n_tokens * d["n_layer"] * (2 * d["n_embd"] + (d["n_ff"] + 7) // 8)
-    probe = work_dir
-    while not probe.exists() and probe != probe.parent:  # nothing is created before the pass starts
-        probe = probe.parent
+    probe = _existing_parent(work_dir)  # nothing is created before the pass starts
     if probe.exists() and not probe.is_dir():
         raise PowerInferError(f"{probe}: is a file, so --work-dir {work_dir} cannot be a folder")
     free = shutil.disk_usage(probe).free
@@ -114,9 +119,7 @@ def check_paths(**paths: Path | str | None) -> None:
                 raise PowerInferError(f"--{a.replace('_', '-')} {paths[a]} and --{b.replace('_', '-')} {paths[b]} "
                                       f"overlap; give each its own folder")
     for k, p in given.items():
-        probe = p
-        while not probe.exists() and probe != probe.parent:
-            probe = probe.parent
+        probe = _existing_parent(p)
         folder = probe if probe.is_dir() else probe.parent
         if not os.access(folder, os.W_OK):
             raise PowerInferError(f"{paths[k]}: cannot be written (--{k.replace('_', '-')}: {folder} is not writable)")

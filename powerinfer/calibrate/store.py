@@ -14,10 +14,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
 import torch
 
-__all__ = ["RowFile", "pack_mask", "unpack_mask_torch"]
+__all__ = ["RowFile"]
 
 _CHUNK = 1 << 30  # bytes per pread/pwrite call (Linux moves at most ~2 GiB per call)
 _AS_NUMPY = {torch.bfloat16: torch.int16, torch.float16: torch.float16, torch.float32: torch.float32,
@@ -79,21 +78,3 @@ class RowFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def pack_mask(mask: torch.Tensor) -> torch.Tensor:
-    """bool ``[N, n_ff]`` -> uint8 ``[N, ceil(n_ff/8)]`` on the same device, bit ``j % 8`` of byte
-    ``j // 8`` = neuron ``j`` (``numpy.packbits(bitorder="little")``'s layout)."""
-    n, n_ff = mask.shape
-    pad = (-n_ff) % 8
-    m = mask.to(torch.uint8)
-    if pad:
-        m = torch.nn.functional.pad(m, (0, pad))
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=mask.device)
-    return (m.view(n, -1, 8) * weights).sum(-1, dtype=torch.uint8)
-
-
-def unpack_mask_torch(packed: torch.Tensor, n_ff: int) -> torch.Tensor:
-    """Inverse of :func:`pack_mask`: uint8 ``[N, ceil(n_ff/8)]`` -> bool ``[N, n_ff]``."""
-    bits = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=packed.device)
-    return ((packed.unsqueeze(-1) & bits) != 0).reshape(packed.shape[0], -1)[:, :n_ff]

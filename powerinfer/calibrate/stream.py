@@ -37,7 +37,7 @@ import json
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -47,14 +47,14 @@ from ..errors import PowerInferError
 from ..families import Activation, Family, get_attr
 from ..hardware import release_memory
 from ..formats._atomic import atomic_path
-from ..formats.collected import COLLECT_DIR, META_FILE, CollectedData, mask_file, write_meta, x_file
+from ..formats.collected import COLLECT_DIR, META_FILE, CollectedData, mask_file, pack_mask, write_meta, x_file
 from .distributed import Dist
 from .hooks import ActiveNeuronHooks
 from .layers import LayerStack
 from .plan import Batch, CalibrationPlan
-from .store import RowFile, pack_mask
+from .store import RowFile
 
-__all__ = ["StreamResult", "stream_calibration", "DTYPES", "STREAM_DIR"]
+__all__ = ["StreamResult", "stream_calibration", "DTYPES", "STREAM_DIR", "dtype_name"]
 
 STREAM_DIR = "stream"
 STATE_FILE = "state.json"
@@ -85,8 +85,9 @@ class StreamResult:
     device: str
     dtype: str
     resumed_at: int
+    world_size: int
+    threads: int
     collected: CollectedData | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def all_counts(self) -> list[torch.Tensor]:
         """Per layer, counts over every split."""
@@ -96,7 +97,7 @@ class StreamResult:
     def summary(self) -> dict[str, Any]:
         """JSON-able timing record (``powerinfer_stats.json`` / ``config.json`` key ``stream``)."""
         return dict(n_tokens=sum(self.n_tokens.values()), rank_tokens=self.rank_tokens, device=self.device,
-                    dtype=self.dtype, threads=self.extra.get("threads"), world_size=self.extra.get("world", 1),
+                    dtype=self.dtype, threads=self.threads, world_size=self.world_size,
                     embed_seconds=round(self.embed_seconds, 3),
                     layer_seconds=[round(s, 3) for s in self.layer_seconds], resumed_at_layer=self.resumed_at)
 
@@ -105,8 +106,8 @@ class _Progress:
     """``layer k/L`` progress: a tqdm bar over the layer's tokens on a terminal, and one line
     per finished layer (the only output when stderr is not a terminal)."""
 
-    def __init__(self, enabled: bool, log: Callable[[str], None] | None, n_layer: int, tokens: int, tag: str):
-        self.enabled, self.log, self.n_layer, self.tokens, self.tag = enabled, log, n_layer, tokens, tag
+    def __init__(self, enabled: bool, log: Callable[[str], None] | None, tokens: int, tag: str):
+        self.enabled, self.log, self.tokens, self.tag = enabled, log, tokens, tag
         self.tty = enabled and sys.stderr.isatty()
         self.bar = None
 
@@ -127,6 +128,11 @@ class _Progress:
         if self.enabled and self.log is not None:
             rate = self.tokens / max(seconds, 1e-9)
             self.log(f"{self.tag}{what}: {self.tokens} tokens in {seconds:.1f} s ({rate:.0f} tok/s)")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"f32"`` (the names of :data:`DTYPES`)."""
+    return next(k for k, v in DTYPES.items() if v == dtype)
 
 
 def _lock(path: Path):
@@ -221,15 +227,13 @@ def _pair_files(root: Path, split: str, layer: int, rows: int, n_embd: int, n_ff
 def stream_calibration(model_dir: str | Path, family: Family, act: Activation, plan: CalibrationPlan,
                        work_dir: str | Path, key: dict[str, Any], *, dtype: torch.dtype = torch.float32,
                        device: torch.device | str = "cpu", pairs: bool = False, dist: Dist | None = None,
-                       progress: bool = False, log: Callable[[str], None] | None = None,
-                       stop_after: int | None = None) -> StreamResult:
+                       progress: bool = False, log: Callable[[str], None] | None = None) -> StreamResult:
     """Run the layer-streamed pass (module docstring) over ``plan`` and return its counts.
 
     ``key``: JSON-able identity of the run (model/data fingerprints, token caps, seq_len,
     batch size...); dtype, device type and world size are added here. ``pairs``: also
     write the predictor training rows to ``work_dir/collect`` (:class:`CollectedData`,
-    returned in ``collected``). ``stop_after``: stop after that many layers (tests and
-    benchmarks of resuming); the result then holds only this rank's counts so far.
+    returned in ``collected``).
 
     Raises PowerInferError for unreadable checkpoints, a model whose layers do not match
     its config, or a checkpoint without a tensor the model needs.
@@ -237,8 +241,8 @@ def stream_calibration(model_dir: str | Path, family: Family, act: Activation, p
     dist = dist or Dist()
     threads = torch.get_num_threads()
     device = torch.device(device)
-    dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
-    key = _json_norm(dict(key, dtype=dtype_name, device=device.type, world=dist.world, pairs=pairs))
+    name = dtype_name(dtype)
+    key = _json_norm(dict(key, dtype=name, device=device.type, world=dist.world, pairs=pairs))
     work_dir = Path(work_dir)
     stack = LayerStack(model_dir, family, dtype, device)  # checks the checkpoint before any file is written
     root = work_dir / STREAM_DIR / f"rank{dist.rank}of{dist.world}"
@@ -270,7 +274,7 @@ def stream_calibration(model_dir: str | Path, family: Family, act: Activation, p
     splits = plan.splits
     split_rows = plan.n_tokens
     tag = f"[rank {dist.rank}] " if dist.world > 1 else ""
-    prog = _Progress(progress and (dist.is_main or dist.world == 1), log, n_layer, rank_tokens, tag)
+    prog = _Progress(progress and (dist.is_main or dist.world == 1), log, rank_tokens, tag)
     hidden = [root / "hidden_0.bin", root / "hidden_1.bin"]
     if state.data["embedded"] and not _resumable(state, root, hidden, n_layer, rank_tokens * n_embd * _elem_size(dtype),
                                                  len(splits), n_ff):
@@ -303,7 +307,7 @@ def stream_calibration(model_dir: str | Path, family: Family, act: Activation, p
         state.save()
 
     start = int(state.data["next_layer"])
-    for i in range(start, n_layer if stop_after is None else min(n_layer, start + stop_after)):
+    for i in range(start, n_layer):
         t0 = time.perf_counter()
         buf = int(state.data["buffer"])
         prog.start(f"layer {i + 1}/{n_layer}")
@@ -321,19 +325,14 @@ def stream_calibration(model_dir: str | Path, family: Family, act: Activation, p
         prog.done(f"layer {i + 1}/{n_layer}", seconds)
     stack.close()
 
-    done = int(state.data["next_layer"])
-    local = [torch.load(root / f"counts_{i}.pt", weights_only=True) for i in range(done)]
-    finished = done == n_layer
-    if finished:
-        total = torch.stack(local).to(device if dist.backend == "nccl" else "cpu")  # [n_layer, n_split, n_ff]
-        total = dist.all_reduce_sum(total).cpu()
-    else:
-        total = torch.stack(local) if local else torch.zeros(0, len(splits), n_ff, dtype=torch.int64)
-    counts_by_split = {s: [total[i, k].clone() for i in range(total.shape[0])] for k, s in enumerate(splits)}
+    # every layer is done: sum this rank's per-layer counts over all ranks
+    local = torch.stack([torch.load(root / f"counts_{i}.pt", weights_only=True) for i in range(n_layer)])
+    total = dist.all_reduce_sum(local.to(device if dist.backend == "nccl" else "cpu")).cpu()  # [L, n_split, n_ff]
+    counts_by_split = {s: [total[i, k].clone() for i in range(n_layer)] for k, s in enumerate(splits)}
     n_tokens = plan.n_tokens
 
     collected = None
-    if pairs and finished:
+    if pairs:
         dist.barrier()  # every rank's rows are in place
         if dist.is_main:
             share = {s: [float(c.sum()) / (n_tokens[s] * n_ff) for c in counts_by_split[s]] for s in splits}
@@ -342,16 +341,15 @@ def stream_calibration(model_dir: str | Path, family: Family, act: Activation, p
         collected = CollectedData.open(work_dir)
         if collected is None:
             raise PowerInferError(f"{collect_root}: predictor data incomplete after the pass")
-    if finished:
-        for h in hidden:  # the hidden states are GBs at 7B scale and no longer needed
-            h.unlink(missing_ok=True)
-    seconds = [float(state.data["layer_seconds"].get(str(i), 0.0)) for i in range(done)]
+    for h in hidden:  # the hidden states are GBs at 7B scale and no longer needed
+        h.unlink(missing_ok=True)
+    seconds = [float(state.data["layer_seconds"].get(str(i), 0.0)) for i in range(n_layer)]
     lock.close()
     return StreamResult(counts=counts_by_split, n_tokens=n_tokens, n_layer=n_layer, n_embd=n_embd, n_ff=n_ff,
                         n_params=stack.n_params(), layer_seconds=seconds,
                         embed_seconds=float(state.data["embed_seconds"]), rank_tokens=rank_tokens,
-                        device=str(device), dtype=dtype_name, resumed_at=resumed_at, collected=collected,
-                        extra=dict(world=dist.world, threads=threads))
+                        device=str(device), dtype=name, resumed_at=resumed_at, world_size=dist.world,
+                        threads=threads, collected=collected)
 
 
 def _run_layer(stack: LayerStack, layer: torch.nn.Module, i: int, family: Family, act: Activation,

@@ -23,11 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..errors import PowerInferError
 from ._atomic import atomic_path
 
-__all__ = ["CollectedData", "COLLECT_DIR", "META_FILE", "FORMAT_VERSION", "fingerprint", "unpack_mask",
+__all__ = ["CollectedData", "COLLECT_DIR", "META_FILE", "FORMAT_VERSION", "fingerprint", "unpack_mask", "pack_mask", "unpack_mask_torch",
            "x_file", "mask_file", "write_meta"]
 
 COLLECT_DIR = "collect"
@@ -63,6 +64,24 @@ def fingerprint(path: str | Path) -> list[list[Any]]:
 def unpack_mask(packed: np.ndarray, n_ff: int) -> np.ndarray:
     """uint8 ``[N, ceil(n_ff/8)]`` packed rows -> uint8 ``[N, n_ff]`` of 0/1."""
     return np.unpackbits(packed, axis=1, count=n_ff, bitorder="little")
+
+
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """bool ``[N, n_ff]`` -> uint8 ``[N, ceil(n_ff/8)]`` on the same device, bit ``j % 8`` of byte
+    ``j // 8`` = neuron ``j`` (``numpy.packbits(bitorder="little")``'s layout)."""
+    n, n_ff = mask.shape
+    pad = (-n_ff) % 8
+    m = mask.to(torch.uint8)
+    if pad:
+        m = torch.nn.functional.pad(m, (0, pad))
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=mask.device)
+    return (m.view(n, -1, 8) * weights).sum(-1, dtype=torch.uint8)
+
+
+def unpack_mask_torch(packed: torch.Tensor, n_ff: int) -> torch.Tensor:
+    """Inverse of :func:`pack_mask`: uint8 ``[N, ceil(n_ff/8)]`` -> bool ``[N, n_ff]``."""
+    bits = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=packed.device)
+    return ((packed.unsqueeze(-1) & bits) != 0).reshape(packed.shape[0], -1)[:, :n_ff]
 
 
 @dataclass

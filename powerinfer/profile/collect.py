@@ -19,18 +19,17 @@ solver reads. This module does the same in plain PyTorch:
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
 
 from ..errors import PowerInferError
 from ..calibrate.hooks import ActiveNeuronHooks, require_sparse, torch_threads
-from ..families import Activation, Family, hf_dims, model_layers
+from ..families import Activation, Family, model_layers
 
 __all__ = ["ActiveNeuronHooks", "forward_layers", "count_active_neurons", "activation_stats",
            "require_sparse", "torch_threads", "profile_model_dir"]
@@ -139,7 +138,7 @@ def profile_model_dir(model_dir: str | Path, data: str | Path, out_dir: str | Pa
                       max_tokens: int | None = 65536, seq_len: int = 256, batch_size: int = 16,
                       text_field: str = "text", threads: int | None = None, progress: bool = False,
                       log: Callable[[str], None] | None = None, device: str = "cpu", dtype: str | None = None,
-                      work_dir: str | Path | None = None, stop_after: int | None = None) -> dict[str, Any] | None:
+                      work_dir: str | Path | None = None) -> dict[str, Any] | None:
     """The ``pi-profile`` stage: count activations of a HF model folder and write ``out_dir``.
 
     Packs ``data`` (:mod:`powerinfer.data`; all documents, capped at ``max_tokens``) into
@@ -154,8 +153,7 @@ def profile_model_dir(model_dir: str | Path, data: str | Path, out_dir: str | Pa
 
     ``work_dir`` (default ``<out_dir>-work``) holds the resumable state: a killed run
     restarts at the layer it was in; it is removed after success. ``threads``: torch CPU
-    threads (None: :func:`torch_threads` decides). ``stop_after``: stop after that many
-    layers without writing ``out_dir`` (returns None; for tests of resuming).
+    threads (None: :func:`torch_threads` decides).
 
     Returns the stats dict (None on ranks other than 0 of a torchrun job). Raises
     PowerInferError for a missing model/data, an unsupported architecture or a dense
@@ -189,11 +187,8 @@ def profile_model_dir(model_dir: str | Path, data: str | Path, out_dir: str | Pa
     t0 = time.perf_counter()
     with torch_threads(threads, batch_size * seq_len * dims["n_embd"] * dims["n_ff"]):
         res = stream_calibration(model_dir, session.family, session.act, plan, work_dir, key, dtype=session.dtype,
-                                 device=session.device, dist=session.dist, progress=progress, log=log,
-                                 stop_after=stop_after)
+                                 device=session.device, dist=session.dist, progress=progress, log=log)
     seconds = time.perf_counter() - t0
-    if len(res.layer_seconds) < res.n_layer:
-        return None
     counts = res.all_counts()
     n_tokens = sum(res.n_tokens.values())
     stats = activation_stats(counts, n_tokens)

@@ -57,7 +57,7 @@ def _cache_dir() -> Path:
 
 def _build() -> ctypes.CDLL:
     """Compile ``kernels.c`` for this CPU (cached by source, compiler and CPU flags) and load it."""
-    from .weights import cpu_flags
+    from ..hardware import cpu_flags
 
     src = SOURCE.read_bytes()
     cc = os.environ.get("CC", "cc")

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..errors import PowerInferError
-from ..hardware import cpu_flags, cpu_has_bf16  # noqa: F401  (re-exported)
+from ..hardware import cpu_has_bf16
 from ..formats.gguf_file import GGUFFile
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}

@@ -15,7 +15,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 
 from .train import FALSE_ALARM_COST, TrainSettings, train_all_layers, train_layer
 

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from ..errors import PowerInferError
 from ..formats._atomic import atomic_path
 from ..formats.predictor import LayerPredictor
-from ..formats.collected import CollectedData, unpack_mask
+from ..formats.collected import CollectedData, unpack_mask, unpack_mask_torch
 
 __all__ = ["TrainSettings", "Predictor", "default_lr", "lr_at", "deja_vu_loss", "heldout_metrics", "train_layer",
            "train_all_layers", "FinishedPredictors", "FALSE_ALARM_COST"]
@@ -134,8 +134,6 @@ class _Split:
             self.m = torch.from_numpy(np.array(m)).to(device)
 
     def get(self, idx: np.ndarray | slice) -> tuple[torch.Tensor, torch.Tensor]:
-        from ..calibrate.store import unpack_mask_torch
-
         if self.in_ram:
             i = idx if isinstance(idx, slice) else torch.from_numpy(idx).to(self.device)
             return self.x[i].float(), unpack_mask_torch(self.m[i], self.n_ff).float()
