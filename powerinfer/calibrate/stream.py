@@ -397,7 +397,9 @@ def _run_layer(stack: LayerStack, layer: torch.nn.Module, i: int, family: Family
                 current.update(split=splits.index(b.split), batch=b)
                 h = fin.read(row, b.n_tokens).to(stack.device, non_blocking=True).view(*b.shape, n_embd)
                 out = stack.run_layer(layer, h)
-                if not bool(torch.isfinite(out).all()):
+                # one f32-accumulated sum is NaN/inf iff an element is (short of a 3e38 total): ~3 ms per
+                # 4096 x 4096 batch on 2 cores, against ~70 ms for isfinite(out).all()
+                if not bool(torch.isfinite(torch.sum(out, dtype=torch.float32))):
                     raise PowerInferError(
                         f"layer {i}: hidden states became NaN or infinite in {str(dtype).removeprefix('torch.')} "
                         f"(weights holding NaN/inf, or values beyond the dtype's range: try --dtype f32 or bf16)")
