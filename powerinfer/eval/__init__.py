@@ -1,0 +1,1 @@
+"""Evaluation of converted models: ``pi-perplexity`` (llama.cpp's perplexity method)."""

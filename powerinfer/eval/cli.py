@@ -1,0 +1,176 @@
+"""``pi-perplexity``: perplexity of a GGUF or PowerInfer GGUF on a text file (llama.cpp's method).
+
+Output follows ``llama-perplexity``: the running value after each chunk on stdout
+(``[1]12.3456,[2]12.5012,...``), then ``Final estimate: PPL = 12.3456 +/- 0.12345``.
+Progress goes to stderr: one line per chunk when stderr is not a terminal, else the
+first chunk's time and an ETA, as llama.cpp prints.
+
+Modes: a PWRI file runs sparse with its predictors (``predictor``), ``--dense`` computes
+every FFN neuron, ``--oracle`` computes exactly the truly active neurons (what a perfect
+predictor would choose), and ``--compare`` evaluates all three on the same tokens and
+prints each perplexity, its change against dense and the share of FFN neurons computed:
+predictor vs dense is the cost of the predictor's misses, oracle vs dense should be zero
+(else the conversion or the sparse kernels are at fault). ``--compare`` and ``--oracle``
+on a dense GGUF (no predictors) are an error.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+
+import click
+import torch
+
+from ..errors import PowerInferError, cli_errors
+from ..formats.gguf_file import open_gguf
+from ..runtime.cli import default_threads, load_model
+from ..runtime.weights import DTYPES
+from .perplexity import ChunkInfo, PerplexityResult, chunk_tokens, perplexity, read_text
+
+DEFAULT_CTX = 512  # llama.cpp's default for llama-perplexity, capped by the model's context
+MODES = {"dense": "every FFN neuron", "predictor": "neurons the predictor marks active",
+         "oracle": "exactly the truly active neurons"}
+
+
+@dataclass
+class Setup:
+    model_path: str
+    text_path: str
+    ctx_size: int | None
+    n_chunks: int | None
+    n_batch: int | None
+    threads: int
+    dtype: str
+
+
+def _progress(label: str):
+    """Per-chunk callback: running values on stdout, progress on stderr."""
+    tty = sys.stderr.isatty()
+
+    def on_chunk(c: ChunkInfo) -> None:
+        sys.stdout.write(f"[{c.index}]{c.running_ppl:.4f},")
+        sys.stdout.flush()
+        tps = c.n_ctx / c.seconds if c.seconds > 0 else float("inf")
+        if not tty:
+            sys.stderr.write(f"{label}: chunk {c.index}/{c.n_chunks}: {c.seconds:.2f} s ({tps:.0f} tokens/s), "
+                             f"running PPL {c.running_ppl:.4f}\n")
+        elif c.index == 1:
+            eta = c.seconds * (c.n_chunks - 1)
+            sys.stderr.write(f"{label}: {c.seconds:.2f} seconds per pass - ETA {eta / 60:.2f} minutes\n")
+        sys.stderr.flush()
+
+    return on_chunk
+
+
+def _load(s: Setup, mode: str):
+    """Load the model for ``mode`` with the context ``-c`` asks for; check it fits."""
+    model, tok = load_model(s.model_path, s.dtype, dense=mode == "dense", n_ctx=s.ctx_size or DEFAULT_CTX)
+    if s.ctx_size and model.n_ctx < s.ctx_size:
+        raise PowerInferError(f"-c {s.ctx_size}: larger than the model's context length {model.n_ctx}")
+    if mode == "oracle":
+        model.oracle_masks()
+    torch.set_num_threads(s.threads or default_threads(model))
+    return model, tok
+
+
+def _evaluate(s: Setup, mode: str, chunks: list[list[int]] | None, model=None, tok=None, header=False):
+    """Perplexity in ``mode``; tokenizes and chunks the text when ``chunks`` is None."""
+    if model is None:
+        model, tok = _load(s, mode)
+    if chunks is None:
+        ids = tok.encode(read_text(s.text_path))  # BOS first when the vocabulary adds BOS
+        bos = tok.bos_id if tok.add_bos else None
+        chunks = chunk_tokens(ids, model.n_ctx, s.n_chunks, bos)
+        n = len(chunks)
+        sys.stderr.write(f"perplexity: {s.model_path} ({model.args.family.name}, "
+                         f"{str(model.dtype).removeprefix('torch.')}, {torch.get_num_threads()} thread(s)): "
+                         f"{len(ids)} tokens, {n} chunk{'s' if n > 1 else ''} of {model.n_ctx}, "
+                         f"{n * (model.n_ctx - model.n_ctx // 2 - 1)} tokens scored\n")
+    if header:
+        sys.stdout.write(f"== {mode}: {MODES[mode]}\n")
+    res = perplexity(model, chunks, s.n_batch, _progress(mode))
+    sys.stdout.write("\n")
+    _final(res)
+    return res, chunks, model, tok
+
+
+def _final(res: PerplexityResult) -> None:
+    sys.stdout.write(f"Final estimate: PPL = {res.ppl:.4f} +/- {res.stderr:.5f}\n")
+    sys.stdout.flush()
+
+
+def _share(res: PerplexityResult) -> str:
+    return "100.0%" if res.active_share is None else f"{100 * res.active_share:.1f}%"
+
+
+def compare_table(results: dict[str, PerplexityResult]) -> str:
+    """The ``--compare`` summary: PPL, uncertainty, change vs dense, share of FFN neurons computed."""
+    base = results["dense"].ppl
+    rows = [("mode", "PPL", "+/-", "vs dense", "FFN neurons computed")]
+    for mode, r in results.items():
+        delta = "-" if mode == "dense" else f"{100 * (r.ppl / base - 1):+.3f}%"
+        rows.append((mode, f"{r.ppl:.4f}", f"{r.stderr:.5f}", delta, _share(r)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows) + "\n"
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-m", "--model", "model_path", required=True, type=click.Path(dir_okay=False),
+              help="GGUF (dense) or PowerInfer GGUF (PWRI magic, sparse) file.")
+@click.option("-f", "--file", "text_path", required=True, type=click.Path(dir_okay=False),
+              help="UTF-8 text file (e.g. wiki.test.raw); needs at least 2 x -c tokens.")
+@click.option("-c", "--ctx-size", default=0,
+              help=f"Tokens per chunk (0: {DEFAULT_CTX}, capped by the model's context length).")
+@click.option("--chunks", "n_chunks", type=int, default=None, help="Evaluate at most this many chunks (default: all).")
+@click.option("-b", "--batch-size", "n_batch", type=int, default=None,
+              help="Tokens per forward pass (default: the whole chunk; 1: token by token).")
+@click.option("-t", "--threads", default=0,
+              help="CPU threads (0: 1 for models under 64 MB of weights per token, else torch's default).")
+@click.option("--dtype", type=click.Choice(["auto", *sorted(DTYPES)]), default="auto", show_default=True,
+              help="Compute dtype (auto: bf16 if the CPU has bf16 dot products, else f32).")
+@click.option("--dense", is_flag=True, help="Compute every FFN neuron even in a PWRI file.")
+@click.option("--oracle", is_flag=True, help="Compute exactly the truly active FFN neurons (needs a PWRI file).")
+@click.option("--compare", is_flag=True,
+              help="Dense, predictor and oracle on the same tokens: PPL, change vs dense, neurons computed.")
+@cli_errors
+def main(model_path, text_path, ctx_size, n_chunks, n_batch, threads, dtype, dense, oracle, compare):
+    """Perplexity of a model on a text, computed as llama.cpp's llama-perplexity does."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    if ctx_size < 0:
+        raise PowerInferError(f"-c {ctx_size}: must be >= 0 (0: {DEFAULT_CTX} or the model's context length)")
+    if ctx_size and ctx_size < 4:
+        raise PowerInferError(f"-c {ctx_size}: the context must be at least 4 tokens (half of it is scored)")
+    if n_chunks is not None and n_chunks <= 0:
+        raise PowerInferError(f"--chunks {n_chunks}: must be > 0 (omit it for every chunk)")
+    if n_batch is not None and n_batch <= 0:
+        raise PowerInferError(f"-b {n_batch}: must be > 0")
+    if threads < 0:
+        raise PowerInferError(f"-t {threads}: must be >= 0")
+    if sum((dense, oracle, compare)) > 1:
+        raise PowerInferError("--dense, --oracle and --compare exclude each other (--compare runs all three)")
+    read_text(text_path)  # a bad text fails before the model is loaded
+    sparse_file = open_gguf(model_path).sparse
+    if (oracle or compare) and not sparse_file:
+        flag = "--oracle" if oracle else "--compare"
+        raise PowerInferError(f"{model_path}: a dense GGUF has no predictors, so {flag} has nothing to compare; "
+                              "use a PowerInfer GGUF (PWRI, pi-convert MODEL PRED_DIR) or drop the flag")
+    s = Setup(model_path, text_path, ctx_size or None, n_chunks, n_batch, threads, dtype)
+    if not compare:
+        mode = "oracle" if oracle else "dense" if (dense or not sparse_file) else "predictor"
+        res, *_ = _evaluate(s, mode, None)
+        if res.active_share is not None:
+            sys.stdout.write(f"FFN neurons computed: {100 * res.active_share:.1f}% of n_ff on average\n")
+        return
+    results: dict[str, PerplexityResult] = {}
+    results["dense"], chunks, model, _ = _evaluate(s, "dense", None, header=True)
+    del model  # one model in memory at a time
+    model, tok = _load(s, "predictor")
+    results["predictor"], *_ = _evaluate(s, "predictor", chunks, model, tok, header=True)
+    model.oracle_masks()
+    results["oracle"], *_ = _evaluate(s, "oracle", chunks, model, tok, header=True)
+    sys.stdout.write("\n" + compare_table(results))
+
+
+if __name__ == "__main__":
+    main()
