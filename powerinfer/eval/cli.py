@@ -36,7 +36,7 @@ MODES = {"dense": "every FFN neuron", "predictor": "neurons the predictor marks 
 @dataclass
 class Setup:
     model_path: str
-    text_path: str
+    text: str
     ctx_size: int | None
     n_chunks: int | None
     n_batch: int | None
@@ -49,16 +49,16 @@ def _progress(label: str):
     tty = sys.stderr.isatty()
 
     def on_chunk(c: ChunkInfo) -> None:
-        sys.stdout.write(f"[{c.index}]{c.running_ppl:.4f},")
-        sys.stdout.flush()
         tps = c.n_ctx / c.seconds if c.seconds > 0 else float("inf")
         if not tty:
             sys.stderr.write(f"{label}: chunk {c.index}/{c.n_chunks}: {c.seconds:.2f} s ({tps:.0f} tokens/s), "
                              f"running PPL {c.running_ppl:.4f}\n")
-        elif c.index == 1:
+        elif c.index == 1:  # before the first value, as llama.cpp prints it
             eta = c.seconds * (c.n_chunks - 1)
             sys.stderr.write(f"{label}: {c.seconds:.2f} seconds per pass - ETA {eta / 60:.2f} minutes\n")
         sys.stderr.flush()
+        sys.stdout.write(f"[{c.index}]{c.running_ppl:.4f},")
+        sys.stdout.flush()
 
     return on_chunk
 
@@ -79,7 +79,7 @@ def _evaluate(s: Setup, mode: str, chunks: list[list[int]] | None, model=None, t
     if model is None:
         model, tok = _load(s, mode)
     if chunks is None:
-        ids = tok.encode(read_text(s.text_path))  # BOS first when the vocabulary adds BOS
+        ids = tok.encode(s.text)  # BOS first when the vocabulary adds BOS
         bos = tok.bos_id if tok.add_bos else None
         chunks = chunk_tokens(ids, model.n_ctx, s.n_chunks, bos)
         n = len(chunks)
@@ -149,13 +149,13 @@ def main(model_path, text_path, ctx_size, n_chunks, n_batch, threads, dtype, den
         raise PowerInferError(f"-t {threads}: must be >= 0")
     if sum((dense, oracle, compare)) > 1:
         raise PowerInferError("--dense, --oracle and --compare exclude each other (--compare runs all three)")
-    read_text(text_path)  # a bad text fails before the model is loaded
+    text = read_text(text_path)  # a bad text fails before the model is loaded
     sparse_file = open_gguf(model_path).sparse
     if (oracle or compare) and not sparse_file:
         flag = "--oracle" if oracle else "--compare"
         raise PowerInferError(f"{model_path}: a dense GGUF has no predictors, so {flag} has nothing to compare; "
                               "use a PowerInfer GGUF (PWRI, pi-convert MODEL PRED_DIR) or drop the flag")
-    s = Setup(model_path, text_path, ctx_size or None, n_chunks, n_batch, threads, dtype)
+    s = Setup(model_path, text, ctx_size or None, n_chunks, n_batch, threads, dtype)
     if not compare:
         mode = "oracle" if oracle else "dense" if (dense or not sparse_file) else "predictor"
         res, *_ = _evaluate(s, mode, None)
