@@ -16,12 +16,14 @@ Shapes: ``h``, ``xn``: ``[T, D]``; ``gate``/``up``/``down_t``: ``[F, D]``.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 
 from ..families import Activation, Family
+from ..quant.qweight import QWeight
 from . import kernels
 from .kernels import linear
 
@@ -47,6 +49,19 @@ class FFN:
     @property
     def sparse(self) -> bool:
         return self.fc1 is not None
+
+    @property
+    def gate_min(self) -> float | None:
+        """Gate value at or below which a gated neuron's output is exactly 0 whatever its up
+        product (ReLU: 0; FATReLU: just below its threshold); None for dense activations
+        or when biases are added after the product."""
+        if self.gate_b is not None:
+            return None
+        if self.act.kind == "relu":
+            return 0.0
+        if self.act.kind == "fatrelu":
+            return math.nextafter(float(self.act.threshold), -math.inf)
+        return None
 
     def reset_stats(self) -> None:
         self.n_active = self.n_calls = 0
@@ -89,6 +104,8 @@ class FFN:
         """``hidden @ down_t`` (+ bias): ``[T, F] -> [T, D]``."""
         if self.down_t.T.is_contiguous():  # dense file: down_t is a view of ffn_down [D, F]
             out = linear(hidden, self.down_t.T)
+        elif isinstance(self.down_t, QWeight):  # a quantized PWRI file run with --dense or a prompt
+            out = kernels.matmul(hidden, self.down_t).to(hidden.dtype)
         else:  # a PWRI file run with --dense: [F, D] rows
             out = hidden @ self.down_t
         return out if self.down_b is None else out + self.down_b
@@ -100,7 +117,7 @@ class FFN:
     def rows(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Only neurons ``idx`` (LongTensor ``[k]``) for one token ``x`` ``[D]`` -> ``[D]``."""
         if self.gate is not None:
-            gate, up = kernels.rows_dot(x, idx, self.gate, self.up)  # fp32 [k] each
+            gate, up = kernels.rows_dot(x, idx, self.gate, self.up, self.gate_min)  # fp32 [k] each
         else:
             gate, up = None, kernels.rows_dot(x, idx, self.up)[0]
         if self.gate_b is not None:

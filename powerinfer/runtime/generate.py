@@ -88,11 +88,14 @@ def decode_bytes_per_token(model: Transformer, active_share: float | None = None
     """Weight bytes one decode step reads: attention, output, predictors, and the FFN rows
     computed (all of them when dense, ``active_share`` of them when sparse). The token
     embedding contributes one row, which is ignored."""
-    n = model.output.numel() * model.output.element_size()
+    def nb(w) -> float:  # a tensor, a QWeight (fractional bytes per value) or a list of them
+        return sum(nb(p) for p in w) if isinstance(w, list) else w.numel() * w.element_size()
+
+    n = nb(model.output)
     for layer in model.layers:
         f = layer.ffn
         for w in (layer.wqkv, layer.wo):
-            n += w.numel() * w.element_size()
+            n += nb(w)
         parts = [f] if hasattr(f, "up") else [p for p in (f.cpu, f.gpu) if p is not None]  # HybridFFN: both sides
         rows = sum(w.numel() * w.element_size() for p in parts for w in (p.gate, p.up, p.down_t) if w is not None)
         if f.sparse and not model.dense:

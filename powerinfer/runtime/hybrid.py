@@ -22,13 +22,22 @@ import time
 import numpy as np
 import torch
 
+from ..quant.qweight import QWeight
 from .ffn import FFN
+from .kernels import dequant_rows
 
 log = logging.getLogger(__name__)
 
 
-def _rows(t: torch.Tensor | None, ids: torch.Tensor, device: torch.device | str) -> torch.Tensor | None:
-    return None if t is None else t.index_select(0, ids).to(device).contiguous()
+def _rows(t, ids: torch.Tensor, device: torch.device | str):
+    """Rows ``ids`` of ``t`` on ``device``: a quantized weight stays quantized on the CPU and
+    is dequantized (fp32) for another device."""
+    if t is None:
+        return None
+    if isinstance(t, QWeight):
+        sel = t.index_select(0, ids)
+        return sel if torch.device(device).type == "cpu" else dequant_rows(sel, 0, sel.n_rows).to(device)
+    return t.index_select(0, ids).to(device).contiguous()
 
 
 class HybridFFN:

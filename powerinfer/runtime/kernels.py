@@ -9,6 +9,14 @@ speed limit is the bytes of weights read per token. Three operations cover it:
 * :func:`rows_axpy`: ``sum_i coef[i] * down_t[idx[i]]``, one AXPY per active neuron;
 * :func:`attend_one`: one query token against the KV cache (decode attention).
 
+Each op also takes a :class:`powerinfer.quant.qweight.QWeight` (Q4_0, Q8_0, Q4_K, Q6_K or
+f16 bytes kept in the file's memory map) and computes on it in place with
+``qkernels.c``: Q4_0/Q8_0 products quantize the activation to 8-bit blocks once per
+product (as ggml does), the other types convert block by block to fp32. Prompts of
+more than :data:`QGEMM_MAX_T` tokens dequantize :data:`TILE_ROWS` rows at a time to fp32
+and use torch matmuls (compute-bound there); :func:`matmul` does ``hidden @ down_t``
+that way, :func:`embed` looks up token rows.
+
 Two backends:
 
 * ``c``: ``kernels.c``, compiled once per machine with the system C compiler
@@ -42,8 +50,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..quant.qweight import QWeight
+
 SOURCE = Path(__file__).with_name("kernels.c")
+QSOURCE = Path(__file__).with_name("qkernels.c")
 _DT = {torch.float32: 0, torch.bfloat16: 1}
+_QT = {"F16": 2, "Q4_0": 10, "Q8_0": 11, "Q4_K": 12, "Q6_K": 13}  # qkernels.c type codes
+QGEMM_MAX_T = 4  # up to this many tokens a quantized product runs in the C kernel, above it tiles + torch
+TILE_ROWS = 512  # rows dequantized at a time for prompt products
 PREFETCH_ROWS = 1  # rows ahead to prefetch in gathers (1 measured best for 8 KB rows)
 _state: dict = {"backend": None, "lib": None, "error": None}
 
@@ -55,13 +69,14 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
-def _build() -> ctypes.CDLL:
-    """Compile ``kernels.c`` for this CPU (cached by source, compiler and CPU flags) and load it."""
+def _build(native: bool = True) -> ctypes.CDLL:
+    """Compile ``kernels.c`` and ``qkernels.c`` for this CPU (cached by source, compiler and CPU
+    flags) and load them. ``native=False`` builds the portable scalar code (tests use it)."""
     from ..hardware import cpu_flags
 
-    src = SOURCE.read_bytes()
+    src = SOURCE.read_bytes() + QSOURCE.read_bytes()
     cc = os.environ.get("CC", "cc")
-    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+    flags = ["-O3", "-march=native" if native else "-mtune=generic", "-fopenmp", "-shared", "-fPIC"]
     libs = ["-lm"]
     key = hashlib.sha256(src + cc.encode() + " ".join(flags).encode()
                          + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
@@ -71,7 +86,7 @@ def _build() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            r = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, *libs], capture_output=True, text=True,
+            r = subprocess.run([cc, *flags, str(SOURCE), str(QSOURCE), "-o", tmp, *libs], capture_output=True, text=True,
                                timeout=120)
             if r.returncode != 0:
                 raise OSError(f"{cc} failed: {r.stderr.strip()[-400:]}")
@@ -89,6 +104,13 @@ def _build() -> ctypes.CDLL:
     lib.pi_axpy_rows.restype = None
     lib.pi_attend_one.argtypes = [C, P, P, P, I, I, I, I, I, ctypes.c_float, P, P]
     lib.pi_attend_one.restype = None
+    F32 = ctypes.c_float
+    lib.pi_q_gemm.argtypes = [C, P, I, I, P, I, P]
+    lib.pi_q_dot_rows.argtypes = [C, P, P, P, I, I, P, P, P, F32]
+    lib.pi_q_axpy_rows.argtypes = [C, P, P, P, I, I, P]
+    lib.pi_q_dequant_rows.argtypes = [C, P, P, I, I, P]
+    for f in (lib.pi_q_gemm, lib.pi_q_dot_rows, lib.pi_q_axpy_rows, lib.pi_q_dequant_rows):
+        f.restype = None
     return lib
 
 
@@ -121,7 +143,12 @@ def backend() -> str:
 
 def _c_ok(*ws: torch.Tensor | None) -> bool:
     return backend() == "c" and all(
-        w is None or (w.dtype in _DT and w.is_contiguous() and w.device.type == "cpu") for w in ws)
+        w is None or (not isinstance(w, QWeight) and w.dtype in _DT and w.is_contiguous() and w.device.type == "cpu")
+        for w in ws)
+
+
+def _q_c_ok(w: QWeight) -> bool:
+    return backend() == "c" and w.btype.name in _QT and w.raw.device.type == "cpu" and w.raw.is_contiguous()
 
 
 def _ptr(t: torch.Tensor | None):
@@ -138,19 +165,97 @@ def _mv(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w.T (+ b)``: ``[T, K] x [N, K] -> [T, N]`` in ``x``'s dtype."""
-    y = _mv(w, x[0]).to(x.dtype)[None] if x.shape[0] == 1 and _c_ok(w) else F.linear(x, w)
+def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T (+ b)``: ``[T, K] x [N, K] -> [T, N]`` in ``x``'s dtype.
+
+    ``w``: a tensor, a :class:`QWeight`, or a list of them stacked along ``N`` (a fused
+    QKV whose parts have different quantized types).
+    """
+    if isinstance(w, (list, tuple)):
+        y = torch.cat([linear(x, p) for p in w], dim=-1)
+    elif isinstance(w, QWeight):
+        y = _q_linear(x, w).to(x.dtype)
+    else:
+        y = _mv(w, x[0]).to(x.dtype)[None] if x.shape[0] == 1 and _c_ok(w) else F.linear(x, w)
     return y if b is None else y + b
 
 
-def rows_dot(x: torch.Tensor, idx: torch.Tensor, a: torch.Tensor,
-             b: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def dequant_rows(w: QWeight, r0: int, r1: int, idx: torch.Tensor | None = None) -> torch.Tensor:
+    """Stored rows ``[r0, r1)`` (or rows ``idx``) of ``w`` as fp32 ``[n, K]``."""
+    if not _q_c_ok(w):
+        return w.dequantize(rows=slice(r0, r1) if idx is None else idx)
+    n = r1 - r0 if idx is None else idx.numel()
+    out = torch.empty(n, w.n_cols, dtype=torch.float32)
+    if n:
+        idx = None if idx is None else idx.contiguous()
+        _state["lib"].pi_q_dequant_rows(_QT[w.btype.name], w.raw[r0:].data_ptr() if idx is None else w.raw.data_ptr(),
+                                        _ptr(idx), n, w.n_cols, out.data_ptr())
+    return out
+
+
+def _q_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """``x @ w.T`` fp32 ``[T, N]`` for untransposed ``w`` ``[N, K]``."""
+    if w.transposed:
+        return matmul(x, w.T)
+    T, (N, K) = x.shape[0], w.shape
+    xf = x.float().contiguous()
+    if T <= QGEMM_MAX_T and _q_c_ok(w):
+        y = torch.empty(T, N, dtype=torch.float32)
+        _state["lib"].pi_q_gemm(_QT[w.btype.name], w.raw.data_ptr(), N, K, xf.data_ptr(), T, y.data_ptr())
+        return y
+    y = torch.empty(T, N, dtype=torch.float32)
+    for r0 in range(0, N, TILE_ROWS):
+        r1 = min(N, r0 + TILE_ROWS)
+        torch.matmul(xf, dequant_rows(w, r0, r1).T, out=y[:, r0:r1])
+    return y
+
+
+def matmul(h: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """``h @ w``: ``[T, F] x [F, D] -> [T, D]`` fp32 for a QWeight stored as ``F`` rows of ``D``
+    (a PWRI ``ffn_down_t``); one AXPY over every row per token for one token, else tiles."""
+    if w.transposed:
+        return _q_linear(h, w.T)
+    T, (F_, D) = h.shape[0], w.shape
+    hf = h.float().contiguous()
+    if T == 1:
+        return rows_axpy(torch.arange(F_), w, hf[0])[None]
+    y = torch.zeros(T, D, dtype=torch.float32)
+    for r0 in range(0, F_, TILE_ROWS):
+        r1 = min(F_, r0 + TILE_ROWS)
+        y.addmm_(hf[:, r0:r1], dequant_rows(w, r0, r1))
+    return y
+
+
+def embed(w, tokens: torch.Tensor) -> torch.Tensor:
+    """Rows ``tokens`` (LongTensor ``[T]``) of an embedding table ``[V, D]`` -> ``[T, D]``
+    (fp32 for a QWeight)."""
+    if isinstance(w, QWeight):
+        return dequant_rows(w, 0, 0, tokens.to(torch.long))
+    return w[tokens]
+
+
+def rows_dot(x: torch.Tensor, idx: torch.Tensor, a, b=None,
+             gmin: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(a[idx] @ x, b[idx] @ x)``: fp32 ``[k]`` each (the second None when ``b`` is None).
 
-    ``x`` ``[K]``; ``a``, ``b`` ``[F, K]`` with the same dtype.
+    ``x`` ``[K]``; ``a``, ``b`` ``[F, K]`` with the same dtype (or QWeights of one type).
+    ``gmin``: an entry of the second result may be 0 instead of its product where the first
+    is ``<= gmin`` (a gated ReLU neuron whose gate does not fire; its up row is not read).
     """
     k = idx.numel()
+    if isinstance(a, QWeight):
+        if b is not None and (not isinstance(b, QWeight) or b.btype != a.btype):
+            raise TypeError("rows_dot: gate and up must have the same quantized type")
+        if _q_c_ok(a):
+            xf, idx = x.float().contiguous(), idx.contiguous()
+            ra = torch.empty(k, dtype=torch.float32)
+            rb = None if b is None else torch.empty(k, dtype=torch.float32)
+            _state["lib"].pi_q_dot_rows(_QT[a.btype.name], a.raw.data_ptr(), None if b is None else b.raw.data_ptr(),
+                                        idx.data_ptr(), k, a.n_cols, xf.data_ptr(), ra.data_ptr(), _ptr(rb),
+                                        float("-inf") if gmin is None else gmin)
+            return ra, rb
+        xf = x.float()
+        return a.dequantize(rows=idx) @ xf, None if b is None else b.dequantize(rows=idx) @ xf
     if _c_ok(a, b) and (b is None or b.dtype == a.dtype):
         xw = x.to(a.dtype).contiguous()
         ra = torch.empty(k, dtype=torch.float32)
@@ -165,8 +270,16 @@ def rows_dot(x: torch.Tensor, idx: torch.Tensor, a: torch.Tensor,
     return ra, rb
 
 
-def rows_axpy(idx: torch.Tensor, w: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+def rows_axpy(idx: torch.Tensor, w, coef: torch.Tensor) -> torch.Tensor:
     """``sum_i coef[i] * w[idx[i]]``: ``[D]`` fp32 (c) or ``w``'s dtype (torch); rows read once."""
+    if isinstance(w, QWeight):
+        cf, idx = coef.float().contiguous(), idx.contiguous()
+        if not _q_c_ok(w):
+            return cf @ w.dequantize(rows=idx) if idx.numel() else torch.zeros(w.n_cols)
+        out = torch.empty(w.n_cols, dtype=torch.float32)
+        _state["lib"].pi_q_axpy_rows(_QT[w.btype.name], w.raw.data_ptr(), idx.data_ptr(), cf.data_ptr(), idx.numel(),
+                                     w.n_cols, out.data_ptr())
+        return out
     if _c_ok(w):
         cf, idx = coef.float().contiguous(), idx.contiguous()
         out = torch.empty(w.shape[1], dtype=torch.float32)
@@ -180,6 +293,8 @@ def rows_axpy(idx: torch.Tensor, w: torch.Tensor, coef: torch.Tensor) -> torch.T
 
 def predict(h: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, threshold: float) -> torch.Tensor:
     """Predicted-active mask ``[T, F]`` (bool): ``fc2 relu(fc1 h) >= threshold``, ``h`` ``[T, D]``."""
+    if isinstance(fc1, QWeight) or isinstance(fc2, QWeight):  # logits in fp32
+        return linear(torch.relu(linear(h.float(), fc1)), fc2) >= threshold
     if h.shape[0] == 1 and _c_ok(fc1, fc2):
         return (_mv(fc2, torch.relu(_mv(fc1, h[0]))) >= threshold)[None]  # logits kept in fp32
     return F.linear(torch.relu(F.linear(h, fc1)), fc2) >= threshold

@@ -31,9 +31,10 @@ import torch.nn.functional as F
 from ..errors import PowerInferError
 from ..formats.gguf_file import GGUFFile
 from .args import ModelArgs
+from ..quant.qweight import QWeight
 from .ffn import FFN
-from .kernels import attend_one, linear
-from .weights import load_concat, load_tensor, tensor_shape
+from .kernels import attend_one, embed, linear
+from .weights import is_quantized, load_concat, load_matrix, load_tensor, stack_rows, tensor_shape
 
 
 @dataclass
@@ -114,28 +115,42 @@ def load_norm(g: GGUFFile, prefix: str, a: ModelArgs, dtype: torch.dtype) -> Nor
     return Norm(w, b, a.norm_eps, rms)
 
 
-def load_attention(g: GGUFFile, p: str, a: ModelArgs, dtype: torch.dtype):
-    """``(wqkv, bqkv, wo, bo)`` of layer prefix ``p``: fused ``attn_qkv`` or ``attn_q/k/v``, biases if stored."""
+def load_attention(g: GGUFFile, p: str, a: ModelArgs, dtype: torch.dtype, mapped: bool = False):
+    """``(wqkv, bqkv, wo, bo)`` of layer prefix ``p``: fused ``attn_qkv`` or ``attn_q/k/v``, biases if stored.
+
+    ``mapped``: quantized matrices stay quantized (:func:`load_matrix`); Q, K and V of
+    different quantized types stay three weights (``wqkv`` a list).
+    """
     hd = a.head_dim
     rows = (a.n_head + 2 * a.n_head_kv) * hd
     if p + "attn_qkv.weight" in g.tensors:
-        wqkv, bqkv = load_tensor(g, p + "attn_qkv.weight", dtype), _maybe(g, p + "attn_qkv.bias", dtype)
+        wqkv, bqkv = load_matrix(g, p + "attn_qkv.weight", dtype, mapped), _maybe(g, p + "attn_qkv.bias", dtype)
     else:
         names = [f"{p}attn_{n}.weight" for n in "qkv"]
         want = [(a.n_head * hd, a.n_embd), (a.n_head_kv * hd, a.n_embd), (a.n_head_kv * hd, a.n_embd)]
         if [tensor_shape(g, n) for n in names] != want:
             raise PowerInferError(f"{g.path}: {p}attn_q/k/v shapes do not match the metadata")
-        wqkv = load_concat(g, names, dtype)  # filled in place: no per-tensor copies to concatenate
+        parts = [load_matrix(g, n, dtype, mapped) for n in names]
+        if all(isinstance(w, torch.Tensor) for w in parts):
+            del parts
+            wqkv = load_concat(g, names, dtype)  # filled in place: no per-tensor copies to concatenate
+        elif all(isinstance(w, QWeight) for w in parts):
+            wqkv = stack_rows(g, names, parts)
+        else:
+            wqkv = parts
         bs = [_maybe(g, f"{p}attn_{n}.bias", dtype) for n in "qkv"]
         bqkv = torch.cat(bs) if all(b is not None for b in bs) else None
-    wo, bo = load_tensor(g, p + "attn_output.weight", dtype), _maybe(g, p + "attn_output.bias", dtype)
-    if tuple(wqkv.shape) != (rows, a.n_embd) or (bqkv is not None and tuple(bqkv.shape) != (rows,)) \
+    wo, bo = load_matrix(g, p + "attn_output.weight", dtype, mapped), _maybe(g, p + "attn_output.bias", dtype)
+    if isinstance(wqkv, list):
+        if [tuple(w.shape) for w in wqkv] != want:
+            raise PowerInferError(f"{g.path}: {p}attn_q/k/v shapes do not match the metadata")
+    elif tuple(wqkv.shape) != (rows, a.n_embd) or (bqkv is not None and tuple(bqkv.shape) != (rows,)) \
             or tuple(wo.shape) != (a.n_embd, a.n_head * hd):
         raise PowerInferError(f"{g.path}: {p} attention shapes do not match the metadata")
     return wqkv, bqkv, wo, bo
 
 
-def build_ffn(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype, dense: bool) -> FFN:
+def build_ffn(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype, dense: bool, mapped: bool = False) -> FFN:
     """Layer ``i``'s FFN from GGUF ``g``: PWRI files give ``ffn_down_t`` and the predictor.
 
     Biases (OPT: ``ffn_up.bias`` ``[F]``, ``ffn_down(_t).bias`` ``[D]``) are loaded when
@@ -144,9 +159,9 @@ def build_ffn(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype, dense: bool
     p = f"blk.{i}."
     fam = a.family
     down = "ffn_down_t" if a.sparse else "ffn_down"
-    gate = load_tensor(g, p + "ffn_gate.weight", dtype) if fam.gated else None
-    up = load_tensor(g, p + "ffn_up.weight", dtype)
-    down_t = load_tensor(g, f"{p}{down}.weight", dtype)
+    gate = load_matrix(g, p + "ffn_gate.weight", dtype, mapped) if fam.gated else None
+    up = load_matrix(g, p + "ffn_up.weight", dtype, mapped)
+    down_t = load_matrix(g, f"{p}{down}.weight", dtype, mapped)
     if not a.sparse:
         down_t = down_t.T  # [F, D] view of ffn_down [D, F] (the FFN runs F.linear on it)
     ffn = FFN(fam, a.activation, gate, up, down_t, threshold=a.sparse_threshold)
@@ -161,15 +176,15 @@ def build_ffn(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype, dense: bool
         if ffn.up_b.shape != (a.n_ff,) or ffn.down_b.shape != (a.n_embd,):
             raise PowerInferError(f"{g.path}: blk.{i} FFN bias shapes do not match n_ff/n_embd")
     if a.sparse and not dense:
-        ffn.fc1 = load_tensor(g, p + "fc1.weight", dtype)
-        ffn.fc2 = load_tensor(g, p + "fc2.weight", dtype)
+        ffn.fc1 = load_matrix(g, p + "fc1.weight", dtype, mapped)
+        ffn.fc2 = load_matrix(g, p + "fc2.weight", dtype, mapped)
         if ffn.fc1.shape[1] != a.n_embd or ffn.fc2.shape != (a.n_ff, ffn.fc1.shape[0]):
             raise PowerInferError(f"{g.path}: blk.{i} predictor shapes {tuple(ffn.fc1.shape)}, "
                                   f"{tuple(ffn.fc2.shape)} do not match the model")
     return ffn
 
 
-def build_layer(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype, dense: bool) -> Layer:
+def build_layer(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype, dense: bool, mapped: bool = False) -> Layer:
     """Layer ``i``: its norms by the family's layout, attention and FFN."""
     p = f"blk.{i}."
     if a.family.parallel_attn:  # Falcon: attn_norm feeds the FFN, attn_norm_2 (if any) the attention
@@ -177,14 +192,16 @@ def build_layer(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype, dense: bo
         attn_norm = load_norm(g, p + "attn_norm_2", a, dtype) if p + "attn_norm_2.weight" in g.tensors else ffn_norm
     else:
         attn_norm, ffn_norm = load_norm(g, p + "attn_norm", a, dtype), load_norm(g, p + "ffn_norm", a, dtype)
-    wqkv, bqkv, wo, bo = load_attention(g, p, a, dtype)
-    return Layer(attn_norm, ffn_norm, wqkv, bqkv, wo, bo, build_ffn(g, i, a, dtype, dense))
+    wqkv, bqkv, wo, bo = load_attention(g, p, a, dtype, mapped)
+    return Layer(attn_norm, ffn_norm, wqkv, bqkv, wo, bo, build_ffn(g, i, a, dtype, dense, mapped))
 
 
 class Transformer:
     """A GGUF model ready to run. ``dense=True`` computes every FFN neuron even in a PWRI file.
 
-    Raises PowerInferError when the file's tensors do not match its metadata.
+    A quantized file's matrices stay quantized in the memory map when the C kernels are in
+    use (``quantized`` is True then); with the torch backend they are dequantized to
+    ``dtype`` at load. Raises PowerInferError when the file's tensors do not match its metadata.
     """
 
     def __init__(self, g: GGUFFile, dtype: torch.dtype = torch.float32, dense: bool = False,
@@ -193,11 +210,14 @@ class Transformer:
         fam = a.family
         self.dtype = dtype
         self.dense = dense or not a.sparse
-        self.tok_embd = load_tensor(g, "token_embd.weight", dtype)  # [V, D]
+        from . import kernels
+
+        self.quantized = mapped = is_quantized(g) and kernels.backend() == "c"
+        self.tok_embd = load_matrix(g, "token_embd.weight", dtype, mapped)  # [V, D]
         if self.tok_embd.shape != (a.n_vocab or self.tok_embd.shape[0], a.n_embd):
             raise PowerInferError(f"{g.path}: token_embd shape {tuple(self.tok_embd.shape)} does not match n_embd {a.n_embd}")
         self.output_norm = load_norm(g, "output_norm", a, dtype)
-        out = _maybe(g, "output.weight", dtype)
+        out = load_matrix(g, "output.weight", dtype, mapped) if "output.weight" in g.tensors else None
         self.output = self.tok_embd if out is None else out  # [V, D]; OPT ties it to the embedding
         if self.output.shape != self.tok_embd.shape:
             raise PowerInferError(f"{g.path}: output shape {tuple(self.output.shape)} does not match token_embd")
@@ -209,7 +229,7 @@ class Transformer:
                 raise PowerInferError(f"{g.path}: position_embd shape {tuple(self.pos_embd.shape)} does not match n_embd")
             max_ctx = min(max_ctx, self.pos_embd.shape[0] - fam.learned_pos_offset)
         self.n_ctx = min(n_ctx or max_ctx, max_ctx)
-        self.layers: list[Layer] = [build_layer(g, i, a, dtype, self.dense) for i in range(a.n_layer)]
+        self.layers: list[Layer] = [build_layer(g, i, a, dtype, self.dense, mapped) for i in range(a.n_layer)]
         self.rope = {"normal": apply_rope, "neox": apply_rope_neox, None: None}[fam.rope]
         self.cos, self.sin = rope_tables(self.n_ctx, a.n_rot, a.rope_base)
         self.cache = KVCache(a.n_layer, self.n_ctx, a.n_head_kv, a.head_dim, dtype)
@@ -259,7 +279,7 @@ class Transformer:
         T = tokens.shape[0]
         if pos + T > self.n_ctx:
             raise PowerInferError(f"{pos + T} tokens exceed the context length {self.n_ctx}")
-        x = self.tok_embd[tokens]  # [T, D]
+        x = embed(self.tok_embd, tokens).to(self.dtype)  # [T, D]
         if self.pos_embd is not None:
             off = pos + self.args.family.learned_pos_offset
             x = x + self.pos_embd[off:off + T]

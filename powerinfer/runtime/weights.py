@@ -8,6 +8,9 @@ Memory rule: every weight is resident once, in the compute dtype.
   converted into anonymous memory and the file pages it was read from are
   released from this process (``madvise(MADV_DONTNEED)``), so resident memory
   is the converted copy only, not converted copy + mapped file.
+* A quantized file's matrices (Q4_0, Q8_0, Q4_K, Q6_K, and its f16 ones such as the
+  predictors) stay in the memory map as :class:`QWeight` (:func:`load_matrix`), which
+  the kernels compute on in place: resident memory is the file size.
 * :func:`load_rows_into` fills a slice of a preallocated tensor (e.g. Q, K and
   V into one fused ``wqkv``), so fused layouts cost no extra copy either.
 
@@ -31,6 +34,8 @@ import torch
 from ..errors import PowerInferError
 from ..hardware import cpu_has_bf16
 from ..formats.gguf_file import GGUFFile
+from ..quant.qweight import MAPPED_TYPES, QWeight
+from ..quant.types import FLOAT_TYPES, check_quantized
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 _PAGE = mmap.PAGESIZE
@@ -84,6 +89,7 @@ def _as_torch(g: GGUFFile, name: str, t) -> torch.Tensor:
             return torch.from_numpy(t.data).view(torch.bfloat16).view(shape)
     from gguf import quants
 
+    check_quantized(g.path, name, t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())), int(t.n_bytes))
     try:
         return torch.from_numpy(quants.dequantize(np.asarray(t.data), t.tensor_type))
     except NotImplementedError:
@@ -153,3 +159,46 @@ def load_concat(g: GGUFFile, names: list[str], dtype: torch.dtype) -> torch.Tens
         load_rows_into(g, n, out[r:r + s[0]])
         r += s[0]
     return out
+
+
+# ---------------------------------------------------------------------------- quantized files
+def is_quantized(g: GGUFFile) -> bool:
+    """True when any tensor of ``g`` has a block-quantized type."""
+    return any(t.tensor_type.name not in FLOAT_TYPES for t in g.tensors.values())
+
+
+def load_matrix(g: GGUFFile, name: str, dtype: torch.dtype, mapped: bool):
+    """A 2-D weight: a :class:`QWeight` view of the map when ``mapped`` and its type is one the
+    kernels compute on (:data:`MAPPED_TYPES`), else :func:`load_tensor` in ``dtype``.
+
+    Raises PowerInferError when a quantized tensor's byte size does not match its type and
+    shape, or its rows are not whole blocks.
+    """
+    t = _tensor(g, name)
+    kind = t.tensor_type.name
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    if not mapped or kind not in MAPPED_TYPES or len(shape) != 2:
+        return load_tensor(g, name, dtype)
+    bt = MAPPED_TYPES[kind]
+    if kind != "F16":
+        check_quantized(g.path, name, t.tensor_type, shape, int(t.n_bytes))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only map; weights are never written
+        raw = torch.from_numpy(t.data.view(np.uint8).reshape(shape[0], bt.row_bytes(shape[1])))
+    return QWeight(raw, bt, shape[0], shape[1])
+
+
+def stack_rows(g: GGUFFile, names: list[str], parts: list) -> "QWeight | list":
+    """QWeights ``parts`` (same type and row length) stacked into one (copied into anonymous
+    memory, the mapped pages released), or the list itself when their types differ."""
+    first = parts[0]
+    if any(p.btype != first.btype or p.n_cols != first.n_cols for p in parts):
+        return list(parts)
+    n = sum(p.n_rows for p in parts)
+    raw = empty((n, first.raw.shape[1]), torch.uint8)
+    r = 0
+    for name, p in zip(names, parts):
+        raw[r:r + p.n_rows].copy_(p.raw)
+        r += p.n_rows
+        _release(g, _tensor(g, name))
+    return QWeight(raw, first.btype, n, first.n_cols)

@@ -1,0 +1,417 @@
+/* Decode and prompt kernels on GGML block-quantized weights, read in place from the file's map.
+ *
+ * Built together with kernels.c (same flags, same OpenMP runtime). Weight types (`qt`):
+ *   QT_F16  2   IEEE half rows (predictors, f16 matrices in a mixed file)
+ *   QT_Q4_0 10  32 values in 18 bytes: half d, 16 bytes of nibbles (value j: low nibble of
+ *               byte j, value j+16: high nibble), value = d * (q - 8)
+ *   QT_Q8_0 11  32 values in 34 bytes: half d, 32 int8, value = d * q
+ *   QT_Q4_K 12  256 values in 144 bytes (ggml's block_q4_K)
+ *   QT_Q6_K 13  256 values in 210 bytes (ggml's block_q6_K)
+ *
+ * Q4_0 and Q8_0 products follow ggml: the activation vector is quantized once per product
+ * to 8-bit blocks of 32 (scale amax/127, round to nearest even; the scale kept in fp32),
+ * each block product is an exact integer sum scaled by d_w * d_x, and block results are
+ * summed in fp32. F16, Q4_K and Q6_K rows are converted to fp32 block by block and dotted
+ * with the fp32 activation (exact conversion, so results equal an fp32 product of the
+ * dequantized row up to summation order).
+ *
+ * Sparse FFN rows: pi_q_dot_rows computes the gate row of each active neuron first and
+ * reads its up row only when the gate passes `gmin` (a ReLU-family neuron whose gate does
+ * not fire contributes exactly zero, so its up row need not be read); pi_q_axpy_rows skips
+ * neurons whose coefficient is exactly zero. Both prefetch the next active row.
+ *
+ * AVX2 paths (with F16C) where the compiler targets them, scalar C elsewhere.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PI_AVX2 1
+#include <immintrin.h>
+#endif
+
+enum { QT_F16 = 2, QT_Q4_0 = 10, QT_Q8_0 = 11, QT_Q4_K = 12, QT_Q6_K = 13 };
+#define QK 32
+#define QKK 256
+#define PAR_MIN_BYTES (1 << 17) /* below this many weight bytes a call runs on the calling thread */
+
+static inline float h2f(uint16_t h) {
+#ifdef PI_AVX2
+    return _cvtsh_ss(h);
+#else
+    const uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    union { uint32_t u; float f; } v;
+    if (e == 0) {
+        v.f = ldexpf((float)m, -24);
+        v.u |= s;
+        return v.f;
+    }
+    v.u = e == 31 ? (s | 0x7f800000u | (m << 13)) : (s | ((e + 112) << 23) | (m << 13));
+    return v.f;
+#endif
+}
+
+static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+static int64_t block_values(int qt) { return qt == QT_F16 ? 1 : (qt == QT_Q4_K || qt == QT_Q6_K) ? QKK : QK; }
+static int64_t block_bytes(int qt) {
+    switch (qt) {
+        case QT_F16: return 2;
+        case QT_Q4_0: return 18;
+        case QT_Q8_0: return 34;
+        case QT_Q4_K: return 144;
+        case QT_Q6_K: return 210;
+    }
+    return 0;
+}
+static inline int64_t row_bytes(int qt, int64_t K) { return K / block_values(qt) * block_bytes(qt); }
+static inline int uses_q8(int qt) { return qt == QT_Q4_0 || qt == QT_Q8_0; }
+
+#ifdef PI_AVX2
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+/* 16 bytes of nibbles -> 32 int8 in block order (low nibbles, then high), minus 8 */
+static inline __m256i q4_0_bytes(const uint8_t *qs) {
+    const __m128i t = _mm_loadu_si128((const __m128i *)qs);
+    const __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0f));
+    return _mm256_sub_epi8(v, _mm256_set1_epi8(8));
+}
+/* sum of products of 32 signed bytes as 8 int32 lanes, converted to float */
+static inline __m256 dot_i8(__m256i a, __m256i b) {
+    const __m256i ax = _mm256_sign_epi8(a, a), sb = _mm256_sign_epi8(b, a);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(ax, sb), _mm256_set1_epi16(1)));
+}
+#endif
+
+/* ------------------------------------------------------------------ activation quantization */
+/* x [K] f32 -> qs [K] int8, d [K/32] f32 (K a multiple of 32). */
+static void quantize_q8(const float *x, int64_t K, int8_t *qs, float *d) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.f;
+        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const float db = amax / 127.f, id = db != 0.f ? 1.f / db : 0.f;
+        d[b] = db;
+        for (int j = 0; j < QK; j++) qs[b * QK + j] = (int8_t)nearbyintf(xb[j] * id);
+    }
+}
+
+/* ------------------------------------------------------------------ one row . x */
+static inline float dot_q4_0(const uint8_t *row, const int8_t *xq, const float *xd, int64_t nb) {
+#ifdef PI_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * 18;
+        const __m256 s = _mm256_set1_ps(h2f(rd16(blk)) * xd[b]);
+        acc = _mm256_fmadd_ps(s, dot_i8(q4_0_bytes(blk + 2), _mm256_loadu_si256((const __m256i *)(xq + b * QK))), acc);
+    }
+    return hsum8(acc);
+#else
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * 18, *qs = blk + 2;
+        const int8_t *y = xq + b * QK;
+        int32_t s = 0;
+        for (int j = 0; j < 16; j++) s += ((qs[j] & 15) - 8) * y[j] + ((qs[j] >> 4) - 8) * y[j + 16];
+        acc += h2f(rd16(blk)) * xd[b] * (float)s;
+    }
+    return acc;
+#endif
+}
+
+static inline float dot_q8_0(const uint8_t *row, const int8_t *xq, const float *xd, int64_t nb) {
+#ifdef PI_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * 34;
+        const __m256 s = _mm256_set1_ps(h2f(rd16(blk)) * xd[b]);
+        acc = _mm256_fmadd_ps(s, dot_i8(_mm256_loadu_si256((const __m256i *)(blk + 2)),
+                                        _mm256_loadu_si256((const __m256i *)(xq + b * QK))), acc);
+    }
+    return hsum8(acc);
+#else
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * 34;
+        const int8_t *q = (const int8_t *)(blk + 2), *y = xq + b * QK;
+        int32_t s = 0;
+        for (int j = 0; j < QK; j++) s += q[j] * y[j];
+        acc += h2f(rd16(blk)) * xd[b] * (float)s;
+    }
+    return acc;
+#endif
+}
+
+static inline void get_scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {
+    if (j < 4) {
+        *d = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* one 256-value super-block -> f32 (ggml's dequantize_row_q4_K / _q6_K) */
+static void deq_q4_K(const uint8_t *blk, float *y) {
+    const float d = h2f(rd16(blk)), dmin = h2f(rd16(blk + 2));
+    const uint8_t *sc = blk + 4, *q = blk + 16;
+    for (int j = 0, is = 0; j < QKK; j += 64, is += 2, q += 32) {
+        uint8_t s, m;
+        get_scale_min_k4(is, sc, &s, &m);
+        const float d1 = d * s, m1 = dmin * m;
+        get_scale_min_k4(is + 1, sc, &s, &m);
+        const float d2 = d * s, m2 = dmin * m;
+        for (int l = 0; l < 32; l++) y[j + l] = d1 * (q[l] & 0xF) - m1;
+        for (int l = 0; l < 32; l++) y[j + 32 + l] = d2 * (q[l] >> 4) - m2;
+    }
+}
+
+static void deq_q6_K(const uint8_t *blk, float *y) {
+    const uint8_t *ql = blk, *qh = blk + 128;
+    const int8_t *sc = (const int8_t *)(blk + 192);
+    const float d = h2f(rd16(blk + 208));
+    for (int n = 0; n < QKK; n += 128, y += 128, ql += 64, qh += 32, sc += 8)
+        for (int l = 0; l < 32; l++) {
+            const int is = l / 16;
+            const int q1 = (int)((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+            const int q2 = (int)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+            const int q3 = (int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+            const int q4 = (int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+            y[l] = d * sc[is] * q1;
+            y[l + 32] = d * sc[is + 2] * q2;
+            y[l + 64] = d * sc[is + 4] * q3;
+            y[l + 96] = d * sc[is + 6] * q4;
+        }
+}
+
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float acc = 0.f;
+#ifdef PI_AVX2
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), a1);
+    }
+    acc = hsum8(_mm256_add_ps(a0, a1));
+#endif
+    for (; i < n; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+static inline float dot_f16(const uint8_t *row, const float *x, int64_t K) {
+    const uint16_t *h = (const uint16_t *)row;
+    int64_t i = 0;
+    float acc = 0.f;
+#ifdef PI_AVX2
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (; i + 16 <= K; i += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))), _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i + 8))), _mm256_loadu_ps(x + i + 8), a1);
+    }
+    acc = hsum8(_mm256_add_ps(a0, a1));
+#endif
+    for (; i < K; i++) acc += h2f(h[i]) * x[i];
+    return acc;
+}
+
+/* The activation as every kernel needs it: f32, plus its q8 blocks for Q4_0/Q8_0 weights. */
+typedef struct {
+    const float *x;
+    const int8_t *xq;
+    const float *xd;
+} act_t;
+
+static inline float row_dot(int qt, const uint8_t *row, act_t a, int64_t K) {
+    switch (qt) {
+        case QT_Q4_0: return dot_q4_0(row, a.xq, a.xd, K / QK);
+        case QT_Q8_0: return dot_q8_0(row, a.xq, a.xd, K / QK);
+        case QT_F16: return dot_f16(row, a.x, K);
+        default: {
+            float buf[QKK], acc = 0.f;
+            for (int64_t b = 0; b < K / QKK; b++) {
+                if (qt == QT_Q4_K) deq_q4_K(row + b * 144, buf);
+                else deq_q6_K(row + b * 210, buf);
+                acc += dot_f32(buf, a.x + b * QKK, QKK);
+            }
+            return acc;
+        }
+    }
+}
+
+static inline void prefetch_row(const uint8_t *p, int64_t nbytes) {
+    for (int64_t b = 0; b < nbytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+}
+
+static inline void split(int64_t n, int nt, int t, int64_t *r0, int64_t *r1) {
+    const int64_t blk = (n + nt - 1) / nt;
+    *r0 = t * blk < n ? t * blk : n;
+    *r1 = *r0 + blk < n ? *r0 + blk : n;
+}
+
+/* x [T, K] -> the T activations (q8 blocks in qbuf/dbuf when the type needs them) */
+static void prepare(int qt, const float *x, int64_t T, int64_t K, int8_t *qbuf, float *dbuf) {
+    if (!uses_q8(qt)) return;
+    for (int64_t t = 0; t < T; t++) quantize_q8(x + t * K, K, qbuf + t * K, dbuf + t * (K / QK));
+}
+
+static inline act_t act_of(const float *x, const int8_t *qbuf, const float *dbuf, int64_t t, int64_t K) {
+    act_t a = {x + t * K, qbuf ? qbuf + t * K : NULL, dbuf ? dbuf + t * (K / QK) : NULL};
+    return a;
+}
+
+/* ------------------------------------------------------------------ public kernels */
+/* y[t, r] = W[r] . x[t] for r < N, t < T: W [N, K] of type qt, x [T, K] f32, y [T, N] f32.
+ * One weight row is read once and dotted with all T tokens (prompt processing). */
+void pi_q_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x, int64_t T, float *y) {
+    const int64_t rb = row_bytes(qt, K);
+    int8_t *qbuf = uses_q8(qt) ? malloc((size_t)(T * K)) : NULL;
+    float *dbuf = uses_q8(qt) ? malloc((size_t)(T * (K / QK)) * sizeof(float)) : NULL;
+    prepare(qt, x, T, K, qbuf, dbuf);
+    const int par = N * rb * (T > 1 ? 4 : 1) >= PAR_MIN_BYTES && omp_get_max_threads() > 1;
+    #pragma omp parallel if (par)
+    {
+        int64_t r0, r1;
+        split(N, omp_get_num_threads(), omp_get_thread_num(), &r0, &r1);
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *row = (const uint8_t *)W + r * rb;
+            for (int64_t t = 0; t < T; t++) y[t * N + r] = row_dot(qt, row, act_of(x, qbuf, dbuf, t, K), K);
+        }
+    }
+    free(qbuf);
+    free(dbuf);
+}
+
+/* For r < n: y1[r] = W1[idx[r]] . x, and if W2, y2[r] = W2[idx[r]] . x when y1[r] > gmin
+ * (else y2[r] = 0 and the row is not read). W1, W2 [*, K] of type qt; x [K] f32. */
+void pi_q_dot_rows(int qt, const void *W1, const void *W2, const int64_t *idx, int64_t n, int64_t K,
+                   const float *x, float *y1, float *y2, float gmin) {
+    const int64_t rb = row_bytes(qt, K);
+    int8_t *qbuf = uses_q8(qt) ? malloc((size_t)K) : NULL;
+    float *dbuf = uses_q8(qt) ? malloc((size_t)(K / QK) * sizeof(float)) : NULL;
+    prepare(qt, x, 1, K, qbuf, dbuf);
+    const act_t a = act_of(x, qbuf, dbuf, 0, K);
+    const int par = n * rb * (W2 ? 2 : 1) >= PAR_MIN_BYTES && omp_get_max_threads() > 1;
+    #pragma omp parallel if (par)
+    {
+        int64_t r0, r1;
+        split(n, omp_get_num_threads(), omp_get_thread_num(), &r0, &r1);
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *g = (const uint8_t *)W1 + idx[r] * rb;
+            if (r + 1 < r1) prefetch_row((const uint8_t *)W1 + idx[r + 1] * rb, rb);
+            y1[r] = row_dot(qt, g, a, K);
+            if (W2) {
+                if (y1[r] > gmin) {
+                    y2[r] = row_dot(qt, (const uint8_t *)W2 + idx[r] * rb, a, K);
+                } else {
+                    y2[r] = 0.f;
+                }
+            }
+        }
+    }
+    free(qbuf);
+    free(dbuf);
+}
+
+/* out[d0 .. d1) += c * W[row][d0 .. d1) for one row of type qt; d0, d1 multiples of the block */
+static inline void axpy_row(int qt, const uint8_t *row, float c, int64_t d0, int64_t d1, float *out) {
+    if (qt == QT_Q4_0) {
+        for (int64_t b = d0 / QK; b < d1 / QK; b++) {
+            const uint8_t *blk = row + b * 18;
+            const float s = c * h2f(rd16(blk));
+            float *o = out + b * QK;
+#ifdef PI_AVX2
+            const __m256 sv = _mm256_set1_ps(s);
+            const __m256i q = q4_0_bytes(blk + 2);
+            const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+            _mm256_storeu_ps(o, _mm256_fmadd_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), _mm256_loadu_ps(o)));
+            _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), _mm256_loadu_ps(o + 8)));
+            _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), _mm256_loadu_ps(o + 16)));
+            _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), _mm256_loadu_ps(o + 24)));
+#else
+            const uint8_t *qs = blk + 2;
+            for (int j = 0; j < 16; j++) {
+                o[j] += s * (float)((qs[j] & 15) - 8);
+                o[j + 16] += s * (float)((qs[j] >> 4) - 8);
+            }
+#endif
+        }
+    } else if (qt == QT_Q8_0) {
+        for (int64_t b = d0 / QK; b < d1 / QK; b++) {
+            const uint8_t *blk = row + b * 34;
+            const float s = c * h2f(rd16(blk));
+            const int8_t *q = (const int8_t *)(blk + 2);
+            float *o = out + b * QK;
+#ifdef PI_AVX2
+            const __m256 sv = _mm256_set1_ps(s);
+            for (int j = 0; j < QK; j += 8) {
+                const __m128i v = _mm_loadl_epi64((const __m128i *)(q + j));
+                _mm256_storeu_ps(o + j, _mm256_fmadd_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), _mm256_loadu_ps(o + j)));
+            }
+#else
+            for (int j = 0; j < QK; j++) o[j] += s * (float)q[j];
+#endif
+        }
+    } else if (qt == QT_F16) {
+        const uint16_t *h = (const uint16_t *)row;
+        int64_t d = d0;
+#ifdef PI_AVX2
+        const __m256 cv = _mm256_set1_ps(c);
+        for (; d + 8 <= d1; d += 8)
+            _mm256_storeu_ps(out + d, _mm256_fmadd_ps(cv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + d))), _mm256_loadu_ps(out + d)));
+#endif
+        for (; d < d1; d++) out[d] += c * h2f(h[d]);
+    } else {
+        float buf[QKK];
+        for (int64_t b = d0 / QKK; b < d1 / QKK; b++) {
+            if (qt == QT_Q4_K) deq_q4_K(row + b * 144, buf);
+            else deq_q6_K(row + b * 210, buf);
+            for (int j = 0; j < QKK; j++) out[b * QKK + j] += c * buf[j];
+        }
+    }
+}
+
+/* out[d] = sum_r coef[r] * W[idx[r], d] for d < D: W [*, D] of type qt, coef [n], out [D] f32.
+ * Rows with coef exactly 0 are skipped. Each thread owns a slice of d (whole blocks). */
+void pi_q_axpy_rows(int qt, const void *W, const int64_t *idx, const float *coef, int64_t n, int64_t D, float *out) {
+    const int64_t rb = row_bytes(qt, D), bv = block_values(qt) < 16 ? 16 : block_values(qt);
+    memset(out, 0, (size_t)D * sizeof(float));
+    const int par = n * rb >= PAR_MIN_BYTES && omp_get_max_threads() > 1 && D >= 2 * bv;
+    #pragma omp parallel if (par)
+    {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t nblk = (D + bv - 1) / bv, per = (nblk + nt - 1) / nt;
+        const int64_t d0 = t * per * bv < D ? t * per * bv : D;
+        const int64_t d1 = d0 + per * bv < D ? d0 + per * bv : D;
+        for (int64_t r = 0; r < n && d0 < d1; r++) {
+            if (coef[r] == 0.f) continue;
+            for /* prefetch this thread's slice of the next row that will be used */ (int64_t s = r + 1; s < n; s++)
+                if (coef[s] != 0.f) {
+                    prefetch_row((const uint8_t *)W + idx[s] * rb + d0 / block_values(qt) * block_bytes(qt),
+                                 (d1 - d0) / block_values(qt) * block_bytes(qt));
+                    break;
+                }
+            axpy_row(qt, (const uint8_t *)W + idx[r] * rb, coef[r], d0, d1, out);
+        }
+    }
+}
+
+/* out[r] = W[idx ? idx[r] : r] as f32 rows [n, K] (embedding lookups, tile dequantization). */
+void pi_q_dequant_rows(int qt, const void *W, const int64_t *idx, int64_t n, int64_t K, float *out) {
+    const int64_t rb = row_bytes(qt, K);
+    const int par = n * rb >= 4 * PAR_MIN_BYTES && omp_get_max_threads() > 1;
+    #pragma omp parallel for if (par)
+    for (int64_t r = 0; r < n; r++) {
+        float *o = out + r * K;
+        memset(o, 0, (size_t)K * sizeof(float));
+        axpy_row(qt, (const uint8_t *)W + (idx ? idx[r] : r) * rb, 1.0f, 0, K, o);
+    }
+}

@@ -1,0 +1,157 @@
+"""Quantized kernels against plain torch on the dequantized weights (``gguf``'s reference
+dequantizers), on the native (AVX2 where present) and the portable scalar build.
+
+Q4_0/Q8_0 products quantize the activation to 8-bit blocks as ggml does, so the reference
+does the same in torch (round half to even, scale amax/127 kept in fp32) and then sums
+exactly in float64: the kernels must agree to float32 summation error. Conversions
+(dequantized rows, embedding lookups, K-quant blocks) must agree bit for bit.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT, quants
+
+from powerinfer.quant.qweight import MAPPED_TYPES, QWeight
+from powerinfer.runtime import kernels
+
+Q8_ACT = ("Q4_0", "Q8_0")  # types whose products quantize the activation
+
+
+@pytest.fixture(params=["native", "scalar"])
+def lib(request):
+    """The C kernels as built for this CPU, and the portable build without SIMD."""
+    try:
+        kernels.set_backend("c")
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    saved = kernels._state["lib"]
+    if request.param == "scalar":
+        kernels._state["lib"] = kernels._build(native=False)
+    yield request.param
+    kernels._state["lib"] = saved
+    kernels.set_backend("auto")
+
+
+def make(name: str, n: int, k: int, seed: int = 0) -> QWeight:
+    """An ``[n, k]`` QWeight of type ``name``: quantized from normal values (Q4_0, Q8_0, F16)
+    or random bytes with sane scales (the K-quants, which gguf cannot quantize)."""
+    bt = MAPPED_TYPES[name]
+    rng = np.random.default_rng(seed)
+    if name == "F16":
+        raw = rng.standard_normal((n, k)).astype(np.float16).view(np.uint8)
+    elif name in Q8_ACT:
+        raw = quants.quantize(rng.standard_normal((n, k)).astype(np.float32), QT[name])
+    else:
+        raw = rng.integers(0, 256, size=(n, bt.row_bytes(k)), dtype=np.uint8)
+        blocks = raw.reshape(n, -1, bt.nbytes)
+        for off in ((0, 2) if name == "Q4_K" else (208,)):  # the fp16 super-block scales
+            blocks[:, :, off:off + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    return QWeight(torch.from_numpy(np.ascontiguousarray(raw).reshape(n, -1)), bt, n, k)
+
+
+def q8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[..., K]`` as the kernels see it: 8-bit blocks of 32, scale amax/127."""
+    b = x.float().reshape(-1, 32)
+    d = b.abs().amax(1, keepdim=True) / 127
+    q = torch.round(b * torch.where(d != 0, 1 / d, torch.zeros_like(d)))
+    return (q * d).reshape(x.shape)
+
+
+def reference(w: QWeight, x: torch.Tensor) -> torch.Tensor:
+    """``x @ dequant(w).T`` in float64, ``x`` rounded as the kernel rounds it."""
+    xr = q8_round_trip(x) if w.btype.name in Q8_ACT else x.float()
+    return xr.double() @ w.dequantize().double().T
+
+
+def close(got: torch.Tensor, want: torch.Tensor, rel: float = 2e-6) -> bool:
+    scale = max(1.0, want.abs().max().item())
+    return (got.double() - want).abs().max().item() <= rel * scale * (want.shape[-1] ** 0.5 if want.dim() else 1)
+
+
+TYPES = ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "F16"]
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_dequantized_rows_equal_gguf_reference_bit_for_bit(lib, name):
+    w = make(name, 37, 512)
+    assert torch.equal(kernels.dequant_rows(w, 0, 37), w.dequantize())
+    ids = torch.tensor([36, 0, 5, 5, 20])
+    assert torch.equal(kernels.embed(w, ids), w.dequantize()[ids])
+    assert torch.equal(kernels.dequant_rows(w, 3, 9), w.dequantize()[3:9])
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("T", [1, 3, 9])
+def test_linear_equals_reference(lib, name, T):
+    w = make(name, 70, 256, seed=1)
+    x = torch.randn(T, 256, generator=torch.Generator().manual_seed(T))
+    y = kernels.linear(x, w)
+    assert y.shape == (T, 70) and y.dtype == torch.float32
+    if T <= kernels.QGEMM_MAX_T:
+        assert close(y, reference(w, x))
+    else:  # prompts: fp32 tiles and torch matmuls, no activation rounding
+        assert close(y, x.double() @ w.dequantize().double().T)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_sparse_rows_equal_reference_and_skip_up_rows_of_silent_gates(lib, name):
+    gate, up = make(name, 300, 256, seed=2), make(name, 300, 256, seed=3)
+    x = torch.randn(256, generator=torch.Generator().manual_seed(4))
+    idx = torch.tensor([0, 1, 7, 64, 65, 150, 299])
+    g, u = kernels.rows_dot(x, idx, gate, up)
+    assert close(g, reference(gate, x[None])[0, idx]) and close(u, reference(up, x[None])[0, idx])
+    g0, u0 = kernels.rows_dot(x, idx, gate, up, gmin=0.0)
+    assert torch.equal(g0, g)
+    assert torch.equal(u0, torch.where(g > 0, u, torch.zeros_like(u)))  # ReLU(gate) * up is unchanged
+    assert (g <= 0).any() and (g > 0).any()
+    only, none = kernels.rows_dot(x, idx[:0], gate)
+    assert only.shape == (0,) and none is None
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_sparse_axpy_equals_reference_and_skips_zero_coefficients(lib, name):
+    down_t = make(name, 300, 512, seed=5)
+    idx = torch.tensor([2, 3, 90, 91, 200, 299])
+    coef = torch.tensor([0.5, 0.0, -1.25, 2.0, 0.0, 3.0])
+    out = kernels.rows_axpy(idx, down_t, coef)
+    want = coef.double() @ down_t.dequantize().double()[idx]
+    assert out.shape == (512,) and close(out, want)
+    assert torch.equal(kernels.rows_axpy(idx[:0], down_t, coef[:0]), torch.zeros(512))
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "F16"])
+def test_matmul_and_transposed_weights(lib, name):
+    w = make(name, 96, 64, seed=6)  # stored [F=96, D=64] like ffn_down_t
+    h = torch.randn(5, 96, generator=torch.Generator().manual_seed(7))
+    assert close(kernels.matmul(h, w), h.double() @ w.dequantize().double())
+    assert close(kernels.matmul(h[:1], w), h[:1].double() @ w.dequantize().double())
+    # a dense file's ffn_down [D, F] stands as down_t [F, D] through .T; matmul reads it as stored
+    down = make(name, 64, 96, seed=8)
+    assert down.T.shape == (96, 64) and not down.T.is_contiguous() and down.T.T.is_contiguous()
+    assert close(kernels.matmul(h, down.T), h.double() @ down.dequantize().double().T)
+
+
+def test_torch_backend_computes_on_dequantized_weights():
+    kernels.set_backend("torch")
+    try:
+        w = make("Q4_0", 40, 64)
+        x = torch.randn(2, 64)
+        assert close(kernels.linear(x, w), x.double() @ w.dequantize().double().T)
+        idx = torch.tensor([1, 5])
+        g, u = kernels.rows_dot(x[0], idx, w, w)
+        assert close(g, (x[0].double() @ w.dequantize().double().T)[idx])
+        assert close(kernels.rows_axpy(idx, w, torch.tensor([1.0, 2.0])),
+                     torch.tensor([1.0, 2.0]).double() @ w.dequantize().double()[idx])
+    finally:
+        kernels.set_backend("auto")
+
+
+def test_qweight_checks_its_bytes_and_selects_rows():
+    w = make("Q4_0", 8, 64)
+    with pytest.raises(ValueError):
+        QWeight(w.raw[:, :-1], w.btype, 8, 64)
+    sel = w.index_select(0, torch.tensor([6, 1]))
+    assert torch.equal(sel.dequantize(), w.dequantize()[[6, 1]])
+    assert w.element_size() == 18 / 32 and w.nbytes == 8 * 36
