@@ -64,3 +64,16 @@ def all_active_predictors(folder, n_embd, n_ff, n_layer):
 
     layers = [LayerPredictor(torch.zeros(4, n_embd), torch.randn(n_ff, 4)) for _ in range(n_layer)]
     return save_predictor_dir(folder, layers, {"sparse_threshold": 0.0})
+
+
+def random_predictors(folder, n_layer, n_embd, n_ff, hidden=(8, 12, 16)):
+    """Random predictors (layer ``i`` of width ``hidden[i % len(hidden)]``) saved with threshold 0.25."""
+    import torch
+
+    from powerinfer.formats.predictor import LayerPredictor, save_predictor_dir
+
+    g = torch.Generator().manual_seed(1)
+    layers = [LayerPredictor(torch.randn(hidden[i % len(hidden)], n_embd, generator=g),
+                             torch.randn(n_ff, hidden[i % len(hidden)], generator=g)) for i in range(n_layer)]
+    save_predictor_dir(folder, layers, {"sparse_threshold": 0.25})
+    return layers

@@ -12,24 +12,15 @@ from safetensors.torch import load_file
 from powerinfer.convert.writer import convert, permute_rope
 from powerinfer.errors import PowerInferError
 from powerinfer.formats.gguf_file import open_gguf, read_magic
-from powerinfer.formats.predictor import LayerPredictor, save_predictor_dir
 
-from helpers import make_tiny_llama
-
-
-def _predictors(folder, n_layer, n_embd, n_ff, hidden=(8, 12, 16)):
-    g = torch.Generator().manual_seed(1)
-    layers = [LayerPredictor(torch.randn(hidden[i % len(hidden)], n_embd, generator=g),
-                             torch.randn(n_ff, hidden[i % len(hidden)], generator=g)) for i in range(n_layer)]
-    save_predictor_dir(folder, layers, {"sparse_threshold": 0.25})
-    return layers
+from helpers import make_tiny_llama, random_predictors
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory, relu_hf):
     tmp = tmp_path_factory.mktemp("conv")
     cfg = json.loads((relu_hf / "config.json").read_text())
-    preds = _predictors(tmp / "pred", cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"])
+    preds = random_predictors(tmp / "pred", cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"])
     out = convert(relu_hf, tmp / "m.powerinfer.gguf", tmp / "pred", outtype="f16", progress=False)
     return relu_hf, cfg, preds, out
 
@@ -153,7 +144,7 @@ def test_unsupported_architecture_is_named(tmp_path, relu_hf):
 
 
 def test_silu_model_refused_for_sparse_but_converts_dense(stories_hf, tmp_path):
-    _predictors(tmp_path / "pred", 5, 64, 172)
+    random_predictors(tmp_path / "pred", 5, 64, 172)
     _refused(lambda: convert(stories_hf, tmp_path / "o.gguf", tmp_path / "pred", progress=False), "silu")
     assert not (tmp_path / "o.gguf").exists()
     assert convert(stories_hf, tmp_path / "o.gguf", progress=False).exists()
@@ -166,7 +157,7 @@ def eight_layers(tmp_path_factory):
 
 def test_predictor_folder_missing_model_5(eight_layers, tmp_path):
     pred = tmp_path / "pred"
-    _predictors(pred, 8, 32, 48)
+    random_predictors(pred, 8, 32, 48)
     (pred / "model_5.pt").unlink()
     _refused(lambda: convert(eight_layers, tmp_path / "o.gguf", pred, progress=False), "model_5.pt", pred)
     assert not (tmp_path / "o.gguf").exists()
@@ -174,7 +165,7 @@ def test_predictor_folder_missing_model_5(eight_layers, tmp_path):
 
 def test_unrelated_pt_files_are_ignored_layers_found_by_number(eight_layers, tmp_path):
     pred = tmp_path / "pred"
-    preds = _predictors(pred, 8, 32, 48, hidden=(4, 8, 12, 16, 20, 24, 28, 32))
+    preds = random_predictors(pred, 8, 32, 48, hidden=(4, 8, 12, 16, 20, 24, 28, 32))
     torch.save({"step": 3}, pred / "optimizer.pt")
     torch.save({"x": torch.zeros(2)}, pred / "model_final.pt")
     out = convert(eight_layers, tmp_path / "o.gguf", pred, progress=False)
@@ -185,7 +176,7 @@ def test_unrelated_pt_files_are_ignored_layers_found_by_number(eight_layers, tmp
 
 def test_predictor_shapes_that_do_not_match_the_model(eight_layers, tmp_path):
     pred = tmp_path / "pred"
-    _predictors(pred, 8, 32, 40)  # n_ff 40, the model has 48
+    random_predictors(pred, 8, 32, 40)  # n_ff 40, the model has 48
     _refused(lambda: convert(eight_layers, tmp_path / "o.gguf", pred, progress=False), "model_0.pt", "n_ff=48")
     assert not (tmp_path / "o.gguf").exists()
 

@@ -10,7 +10,8 @@ from ..errors import PowerInferError, cli_errors
 from ..families import hf_dims, read_hf_config
 from ..formats.activation import load_activation_dir
 from .gpu_index import ensure_gpu_index
-from .writer import OUTTYPES, convert
+from .tensor_types import DEFAULT_PREDICTOR_TYPE, OUTTYPES, PREDICTOR_TYPES
+from .writer import convert
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -18,8 +19,12 @@ from .writer import OUTTYPES, convert
 @click.argument("pred_dir", required=False, type=click.Path(file_okay=False))
 @click.option("--outfile", required=True, type=click.Path(dir_okay=False),
               help="Output file (*.powerinfer.gguf with predictors, *.gguf without).")
-@click.option("--outtype", type=click.Choice(sorted(OUTTYPES)), default="f16", show_default=True,
-              help="2-D weight dtype (1-D tensors are always f32).")
+@click.option("--outtype", type=click.Choice(OUTTYPES, case_sensitive=False), default="f16", show_default=True,
+              help="2-D weight type (1-D tensors are always f32). q4_0/q8_0: ggml's reference quantizers; "
+                   "output.weight then Q8_0, rows not a multiple of 32 stay f16.")
+@click.option("--predictor-type", type=click.Choice(PREDICTOR_TYPES, case_sensitive=False), default=None,
+              help=f"Type of the predictor matrices fc1/fc2 (default: the outtype for f16/f32, "
+                   f"{DEFAULT_PREDICTOR_TYPE} for quantized files).")
 @click.option("--sparse-threshold", type=float, default=None,
               help="Predictor logit threshold (default: the predictor folder's config.json, else 0.0).")
 @click.option("--vram-budget", type=float, default=None,
@@ -27,7 +32,7 @@ from .writer import OUTTYPES, convert
 @click.option("--activation", "activation_dir", type=click.Path(file_okay=False), default=None,
               help="Activation folder for the placement (default: MODEL_DIR/activation).")
 @cli_errors
-def main(model_dir, pred_dir, outfile, outtype, sparse_threshold, vram_budget, activation_dir):
+def main(model_dir, pred_dir, outfile, outtype, predictor_type, sparse_threshold, vram_budget, activation_dir):
     """Write MODEL_DIR as a PowerInfer GGUF with the predictors in PRED_DIR, or a dense GGUF without."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     act_dir = Path(activation_dir) if activation_dir else Path(model_dir) / "activation"
@@ -37,7 +42,8 @@ def main(model_dir, pred_dir, outfile, outtype, sparse_threshold, vram_budget, a
         if activation_dir is not None or act_dir.is_dir():
             dims = hf_dims(read_hf_config(model_dir))
             load_activation_dir(act_dir, n_layer=dims["n_layer"], n_ff=dims["n_ff"])
-    out = convert(model_dir, outfile, pred_dir, outtype, sparse_threshold)
+    out = convert(model_dir, outfile, pred_dir, outtype.lower(), sparse_threshold,
+                  predictor_type=predictor_type.lower() if predictor_type else None)
     kind = "PowerInfer GGUF (PWRI, sparse)" if pred_dir else "dense GGUF"
     click.echo(f"wrote {out} ({kind}, {out.stat().st_size / 1e6:.2f} MB)")
     if vram_budget is not None:

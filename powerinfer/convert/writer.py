@@ -9,8 +9,10 @@ GGUF that llama.cpp reads. Q and K rows are permuted from the HF rotate-half
 layout to GGML's interleaved RoPE layout, as llama.cpp's converter does.
 
 Tensors are streamed: tensor infos are written first from shapes alone, then
-each tensor is loaded, transformed and written, so memory stays bounded. The
-output goes to a temporary file that is renamed only when complete.
+each tensor is loaded, transformed and written (quantized a chunk of rows at a
+time for ``--outtype q4_0|q8_0``), so memory stays bounded. The output goes to a
+temporary file that is renamed only when complete. Which type each tensor gets is
+:func:`.tensor_types.tensor_type`, shared with ``pi-quantize``.
 
 Per architecture the tensor set is exactly what upstream's loader creates
 (FORMATS.md section 4; :meth:`powerinfer.families.Family.expected_gguf_tensors`):
@@ -45,6 +47,8 @@ from ..formats.gguf_file import PWRI_BYTES, set_magic
 from ..formats.predictor import LayerPredictor, load_predictor_dir, read_predictor_config
 from ..hf import resolve_model
 from .hf_tensors import HFTensors
+from .tensor_types import (FILE_TYPES, OUTTYPES, PREDICTOR_TYPES, UPSTREAM_Q8_0_SPARSE, encode, fallback_note,
+                           falls_back, nbytes, tensor_type)
 from .vocab import add_vocab
 
 log = logging.getLogger(__name__)
@@ -55,7 +59,6 @@ _SKIP_SUFFIXES = (".rotary_emb.inv_freq", ".attn.masked_bias", ".attn.bias")
 
 UPSTREAM_SMALL_FFN = 1000  # upstream ggml.c: sparse FFNs with n_ff <= this take a broken block path
 
-OUTTYPES = {"f16": (np.float16, gguf.GGMLQuantizationType.F16), "f32": (np.float32, gguf.GGMLQuantizationType.F32)}
 
 
 def permute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -86,7 +89,6 @@ class PlannedTensor:
     gguf_name: str
     shape: tuple[int, ...]  # torch order
     load: Callable[[], torch.Tensor]
-    is_weight_matrix: bool
 
 
 def _plan(family: Family, cfg: dict, dims: dict, tensors: HFTensors, sparse: bool,
@@ -117,19 +119,19 @@ def _plan(family: Family, cfg: dict, dims: dict, tensors: HFTensors, sparse: boo
         if gname in by_name:
             raise PowerInferError(f"{src}: two checkpoint tensors map to {gname} (the second is {name!r})")
         fn = transforms[tr]
-        by_name[gname] = PlannedTensor(gname, shape, (lambda n=name, f=fn: f(tensors.get(n))), len(shape) == 2)
+        by_name[gname] = PlannedTensor(gname, shape, (lambda n=name, f=fn: f(tensors.get(n))))
     # Tied embeddings: the upstream loader wants an explicit output.weight.
     if "output.weight" not in by_name and "output.weight" in family.expected_gguf_tensors(0, sparse):
         emb = by_name.get("token_embd.weight")
         if emb is None:
             raise PowerInferError(f"{src}: no token embedding found")
-        by_name["output.weight"] = PlannedTensor("output.weight", emb.shape, emb.load, True)
+        by_name["output.weight"] = PlannedTensor("output.weight", emb.shape, emb.load)
     if predictors is not None:
         for i, lp in enumerate(predictors):
             for part in ("fc1", "fc2"):
                 t = getattr(lp, part)
                 by_name[f"blk.{i}.{part}.weight"] = PlannedTensor(
-                    f"blk.{i}.{part}.weight", tuple(t.shape), (lambda t=t: t), True)
+                    f"blk.{i}.{part}.weight", tuple(t.shape), (lambda t=t: t))
     expected = family.expected_gguf_tensors(dims["n_layer"], sparse)
     missing = [n for n in expected if n not in by_name]
     extra = [n for n in by_name if n not in set(expected)]
@@ -180,18 +182,26 @@ def _model_name(model_dir: Path) -> str:
 
 
 def convert(model_dir: str | Path, outfile: str | Path, pred_dir: str | Path | None = None,
-            outtype: str = "f16", sparse_threshold: float | None = None, progress: bool = True) -> Path:
+            outtype: str = "f16", sparse_threshold: float | None = None, progress: bool = True,
+            predictor_type: str | None = None) -> Path:
     """Convert ``model_dir`` (+ ``pred_dir``) to ``outfile``; returns the output path.
 
     ``outtype``: ``f16`` (2-D weights in f16, 1-D in f32; what upstream PowerInfer
-    computes with) or ``f32``. ``sparse_threshold`` overrides the predictor
-    folder's ``config.json``. Raises PowerInferError for unsupported models,
-    predictor folders that do not match, or unmappable tensors; nothing is
+    computes with), ``f32``, or ``q4_0`` / ``q8_0`` (ggml's reference quantizers,
+    :mod:`powerinfer.quant.ggml`). Which tensor gets which type, for quantized files
+    too (``output.weight`` Q8_0, predictors ``predictor_type``, F16 for rows that are not
+    a multiple of 32), is :func:`powerinfer.convert.tensor_types.tensor_type`.
+    ``sparse_threshold`` overrides the predictor folder's ``config.json``. Raises
+    PowerInferError for unsupported models or types, predictor folders that do not
+    match, unmappable tensors, or NaN/inf weights in a quantized tensor; nothing is
     written at ``outfile`` then.
     """
     model_dir, outfile = Path(model_dir), Path(outfile)
     if outtype not in OUTTYPES:
-        raise PowerInferError(f"--outtype {outtype!r}: expected one of {', '.join(OUTTYPES)}")
+        raise PowerInferError(f"--outtype {outtype!r} is not supported; supported: {', '.join(OUTTYPES)}")
+    if predictor_type is not None and predictor_type not in PREDICTOR_TYPES:
+        raise PowerInferError(f"--predictor-type {predictor_type!r} is not supported; "
+                              f"supported: {', '.join(PREDICTOR_TYPES)}")
     family, cfg, act = resolve_model(model_dir)
     dims = hf_dims(cfg)
     sparse = pred_dir is not None
@@ -208,6 +218,8 @@ def convert(model_dir: str | Path, outfile: str | Path, pred_dir: str | Path | N
         if outtype == "f32":
             log.warning("f32 output: upstream PowerInfer's CPU kernel reads ffn_down_t only as f16/Q4_0 "
                         "and computes garbage from f32; use this file with pi-run only")
+        if outtype == "q8_0":
+            log.warning(UPSTREAM_Q8_0_SPARSE)
         if dims["n_ff"] <= UPSTREAM_SMALL_FFN:
             log.warning("n_ff %d <= %d: upstream PowerInfer's CPU build routes such small FFNs to a block "
                         "kernel that ignores the predictor (ggml.c, mul_mat_sparse_head) and prints garbage; "
@@ -218,36 +230,35 @@ def convert(model_dir: str | Path, outfile: str | Path, pred_dir: str | Path | N
                     act.kind)
     tensors = HFTensors(model_dir)
     plan = _plan(family, cfg, dims, tensors, sparse, predictors, model_dir)
-    np_dtype, qtype = OUTTYPES[outtype]
+    types = [tensor_type(pt.gguf_name, pt.shape, outtype, predictor_type) for pt in plan]
+    kept = [(pt.gguf_name, pt.shape) for pt in plan if falls_back(pt.gguf_name, pt.shape, outtype, predictor_type)]
+    if kept:
+        log.warning(fallback_note(kept, outtype))
     n_vocab = int(cfg.get("vocab_size") or plan[0].shape[0])
 
     with atomic_path(outfile) as tmp:
         w = gguf.GGUFWriter(str(tmp), family.gguf_arch)
         _add_hparams(w, family, cfg, dims, act, _model_name(model_dir))
-        w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if outtype == "f16" else gguf.LlamaFileType.ALL_F32)
+        w.add_file_type(FILE_TYPES[outtype])
         if sparse:
             w.add_float32("powerinfer.sparse_threshold", float(sparse_threshold))
         add_vocab(w, model_dir, n_vocab)
-        for pt in plan:
-            dt = np_dtype if pt.is_weight_matrix else np.float32
-            nbytes = int(np.prod(pt.shape)) * np.dtype(dt).itemsize
-            w.add_tensor_info(pt.gguf_name, pt.shape, np.dtype(dt), nbytes,
-                              raw_dtype=qtype if pt.is_weight_matrix else gguf.GGMLQuantizationType.F32)
+        for pt, qt in zip(plan, types):
+            w.add_tensor_info(pt.gguf_name, pt.shape, np.dtype(np.float32), nbytes(pt.shape, qt), raw_dtype=qt)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        it: Iterable[PlannedTensor] = plan
+        it: Iterable[tuple[PlannedTensor, gguf.GGMLQuantizationType]] = list(zip(plan, types))
         if progress:
             from tqdm import tqdm
 
-            it = tqdm(plan, desc=f"writing {outfile.name}", unit="tensor")
-        for pt in it:
+            it = tqdm(it, desc=f"writing {outfile.name}", unit="tensor")
+        for pt, qt in it:
             t = pt.load().detach().to(torch.float32)
             if tuple(t.shape) != pt.shape:
                 raise PowerInferError(f"{model_dir}: tensor for {pt.gguf_name} has shape {tuple(t.shape)}, "
                                       f"expected {pt.shape}")
-            arr = t.numpy().astype(np_dtype if pt.is_weight_matrix else np.float32, copy=False)
-            w.write_tensor_data(np.ascontiguousarray(arr))
+            w.write_tensor_data(encode(t.numpy(), qt, pt.gguf_name))
         w.close()
         if sparse:
             set_magic(tmp, PWRI_BYTES)
