@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.constants import GGUF_MAGIC
 
 from ..errors import PowerInferError
@@ -32,6 +32,22 @@ class PwriReader(GGUFReader):
         if offset == 0 and count == 1 and np.dtype(dtype) == np.uint32 and arr.size == 1 and int(arr[0]) == PWRI_MAGIC:
             return np.array([GGUF_MAGIC], dtype=np.uint32)
         return arr
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        """Refuse, naming the tensor, a block-quantized tensor whose rows are not whole blocks
+        (the ``gguf`` reader's own message names no tensor)."""
+        for field in fields:
+            _, name_data, _, dims, raw_dtype, _ = field.parts
+            try:
+                qtype = GGMLQuantizationType(int(raw_dtype[0]))
+            except ValueError:
+                raise ValueError(f"tensor {bytes(name_data).decode(errors='replace')!r} has unknown "
+                                 f"type {int(raw_dtype[0])}") from None
+            block = GGML_QUANT_SIZES[qtype][0]
+            if len(dims) and int(dims[0]) % block:
+                raise ValueError(f"tensor {bytes(name_data).decode(errors='replace')!r} ({qtype.name}) has rows of "
+                                 f"{int(dims[0])} values, not a multiple of the {qtype.name} block size {block}")
+        super()._build_tensors(start_offs, fields)
 
 
 def read_magic(path: str | Path) -> bytes:

@@ -379,29 +379,73 @@ static inline void axpy_row(int qt, const uint8_t *row, float c, int64_t d0, int
     }
 }
 
+#ifdef PI_AVX2
+/* 32 int8 (two 16-byte halves) -> four fp32 vectors: o[0..32) += s * v for each of 4 rows */
+static inline void fma_i8x32(__m256 sv, __m256i q, __m256 *a) {
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    a[0] = _mm256_fmadd_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), a[0]);
+    a[1] = _mm256_fmadd_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), a[1]);
+    a[2] = _mm256_fmadd_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), a[2]);
+    a[3] = _mm256_fmadd_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), a[3]);
+}
+
+/* out[d0 .. d1) += sum of c[i] * row_i[d0 .. d1) over 4 Q4_0/Q8_0 rows: out is loaded and
+ * stored once per 4 rows instead of once per row */
+static inline void axpy4_q(int qt, const uint8_t *const *rows, const float *c, int64_t d0, int64_t d1, float *out) {
+    const int64_t bb = qt == QT_Q4_0 ? 18 : 34;
+    for (int64_t b = d0 / QK; b < d1 / QK; b++) {
+        float *o = out + b * QK;
+        __m256 a[4] = {_mm256_loadu_ps(o), _mm256_loadu_ps(o + 8), _mm256_loadu_ps(o + 16), _mm256_loadu_ps(o + 24)};
+        for (int i = 0; i < 4; i++) {
+            const uint8_t *blk = rows[i] + b * bb;
+            const __m256 sv = _mm256_set1_ps(c[i] * h2f(rd16(blk)));
+            fma_i8x32(sv, qt == QT_Q4_0 ? q4_0_bytes(blk + 2) : _mm256_loadu_si256((const __m256i *)(blk + 2)), a);
+        }
+        _mm256_storeu_ps(o, a[0]);
+        _mm256_storeu_ps(o + 8, a[1]);
+        _mm256_storeu_ps(o + 16, a[2]);
+        _mm256_storeu_ps(o + 24, a[3]);
+    }
+}
+#endif
+
 /* out[d] = sum_r coef[r] * W[idx[r], d] for d < D: W [*, D] of type qt, coef [n], out [D] f32.
- * Rows with coef exactly 0 are skipped. Each thread owns a slice of d (whole blocks). */
+ * Rows with coef exactly 0 are skipped. Each thread owns a slice of d (whole blocks) and
+ * walks the used rows, four at a time where a kernel for that exists. */
 void pi_q_axpy_rows(int qt, const void *W, const int64_t *idx, const float *coef, int64_t n, int64_t D, float *out) {
     const int64_t rb = row_bytes(qt, D), bv = block_values(qt) < 16 ? 16 : block_values(qt);
     memset(out, 0, (size_t)D * sizeof(float));
-    const int par = n * rb >= PAR_MIN_BYTES && omp_get_max_threads() > 1 && D >= 2 * bv;
+    const uint8_t **rows = malloc((size_t)(n + 1) * sizeof(*rows));
+    float *cs = malloc((size_t)(n + 1) * sizeof(float));
+    int64_t m = 0;
+    for (int64_t r = 0; r < n; r++)
+        if (coef[r] != 0.f) {
+            rows[m] = (const uint8_t *)W + idx[r] * rb;
+            cs[m++] = coef[r];
+        }
+    const int par = m * rb >= PAR_MIN_BYTES && omp_get_max_threads() > 1 && D >= 2 * bv;
     #pragma omp parallel if (par)
     {
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t nblk = (D + bv - 1) / bv, per = (nblk + nt - 1) / nt;
         const int64_t d0 = t * per * bv < D ? t * per * bv : D;
         const int64_t d1 = d0 + per * bv < D ? d0 + per * bv : D;
-        for (int64_t r = 0; r < n && d0 < d1; r++) {
-            if (coef[r] == 0.f) continue;
-            for /* prefetch this thread's slice of the next row that will be used */ (int64_t s = r + 1; s < n; s++)
-                if (coef[s] != 0.f) {
-                    prefetch_row((const uint8_t *)W + idx[s] * rb + d0 / block_values(qt) * block_bytes(qt),
-                                 (d1 - d0) / block_values(qt) * block_bytes(qt));
-                    break;
-                }
-            axpy_row(qt, (const uint8_t *)W + idx[r] * rb, coef[r], d0, d1, out);
+        const int64_t pb0 = d0 / block_values(qt) * block_bytes(qt), pbn = (d1 - d0) / block_values(qt) * block_bytes(qt);
+        int64_t r = 0;
+#ifdef PI_AVX2
+        if (uses_q8(qt))
+            for (; r + 4 <= m && d0 < d1; r += 4) {
+                for (int64_t s = r + 4; s < r + 8 && s < m; s++) prefetch_row(rows[s] + pb0, pbn);
+                axpy4_q(qt, rows + r, cs + r, d0, d1, out);
+            }
+#endif
+        for (; r < m && d0 < d1; r++) {
+            if (r + 1 < m) prefetch_row(rows[r + 1] + pb0, pbn);
+            axpy_row(qt, rows[r], cs[r], d0, d1, out);
         }
     }
+    free(rows);
+    free(cs);
 }
 
 /* out[r] = W[idx ? idx[r] : r] as f32 rows [n, K] (embedding lookups, tile dequantization). */
