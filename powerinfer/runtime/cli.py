@@ -56,8 +56,10 @@ def bench_report(model: Transformer, st: GenStats, path: str) -> str:
         lines.append(f"  FFN {100 * st.ffn_share:.1f}% of decode time (predictor {100 * st.predict_share:.1f}%), "
                      f"attention + output + rest {100 * (1 - st.ffn_share):.1f}%")
         if st.decode_active_share is not None:
-            lines.append(f"  FFN neurons computed: {100 * st.decode_active_share:.1f}% of n_ff on average")
-        nb = decode_bytes_per_token(model, st.decode_active_share)
+            fired = "" if st.decode_fired_share is None else f"; {100 * st.decode_fired_share:.1f}% fired"
+            lines.append(f"  FFN neurons computed: {100 * st.decode_active_share:.1f}% of n_ff on average "
+                         f"(predicted active{fired})")
+        nb = decode_bytes_per_token(model, st.decode_active_share, st.decode_fired_share)
         lines.append(f"  weights read: {nb / 1e6:.0f} MB per token -> {nb * st.gen_tps / 1e9:.1f} GB/s effective")
     return "\n".join(lines) + "\n"
 

@@ -43,6 +43,7 @@ class FFN:
     threshold: float = 0.0
     n_active: int = 0  # neurons computed, summed over calls (sparse only)
     n_calls: int = 0  # tokens seen
+    n_fired: int = 0  # neurons whose activation was non-zero, summed over calls (sparse only)
     t_ffn: float = 0.0  # seconds spent in this FFN (predictor included), summed over calls
     t_predict: float = 0.0  # seconds spent in the predictor
 
@@ -64,7 +65,7 @@ class FFN:
         return None
 
     def reset_stats(self) -> None:
-        self.n_active = self.n_calls = 0
+        self.n_active = self.n_calls = self.n_fired = 0
         self.t_ffn = self.t_predict = 0.0
 
     def predict(self, h: torch.Tensor) -> torch.Tensor:
@@ -93,7 +94,9 @@ class FFN:
             return self.rows(xn[0], idx)[None]
         self.n_active += int(mask.sum())
         gate, up = self.preact(xn)
-        return self.down(self.family.combine(self.act, gate, up) * mask.to(xn.dtype))
+        hidden = self.family.combine(self.act, gate, up) * mask.to(xn.dtype)
+        self.n_fired += int(torch.count_nonzero(hidden))
+        return self.down(hidden)
 
     def preact(self, xn: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Gate and up pre-activations ``[T, F]`` of every neuron (gate None without a gate)."""
@@ -125,5 +128,6 @@ class FFN:
         if self.up_b is not None:
             up = up + self.up_b[idx]
         hidden = self.family.combine(self.act, gate, up)  # [k]
+        self.n_fired += int(torch.count_nonzero(hidden))
         out = kernels.rows_axpy(idx, self.down_t, hidden).to(x.dtype)
         return out if self.down_b is None else out + self.down_b

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from ..errors import PowerInferError
+from . import kernels
 from .model import Transformer
 
 
@@ -58,6 +59,7 @@ class GenStats:
     t_ffn: float = 0.0  # seconds in FFNs (predictors included) during decode passes
     t_predict: float = 0.0  # seconds in predictors during decode passes
     decode_active_share: float | None = None  # active share over decode tokens only
+    decode_fired_share: float | None = None  # share of neurons with a non-zero activation, decode tokens
 
     @property
     def ffn_share(self) -> float:
@@ -77,17 +79,24 @@ class GenStats:
         return self.n_eval / self.t_gen if self.t_gen > 0 and self.n_eval else float("nan")
 
 
-def ffn_counters(model: Transformer) -> tuple[float, float, int, int]:
-    """``(t_ffn, t_predict, n_active, n_calls)`` summed over the model's FFNs."""
+def ffn_counters(model: Transformer) -> tuple[float, float, int, int, int]:
+    """``(t_ffn, t_predict, n_active, n_calls, n_fired)`` summed over the model's FFNs."""
     ffns = [layer.ffn for layer in model.layers]
     return (sum(f.t_ffn for f in ffns), sum(f.t_predict for f in ffns),
-            sum(f.n_active for f in ffns), sum(f.n_calls for f in ffns))
+            sum(f.n_active for f in ffns), sum(f.n_calls for f in ffns), sum(getattr(f, "n_fired", 0) for f in ffns))
 
 
-def decode_bytes_per_token(model: Transformer, active_share: float | None = None) -> int:
+def decode_bytes_per_token(model: Transformer, active_share: float | None = None,
+                           fired_share: float | None = None) -> int:
     """Weight bytes one decode step reads: attention, output, predictors, and the FFN rows
     computed (all of them when dense, ``active_share`` of them when sparse). The token
-    embedding contributes one row, which is ignored."""
+    embedding contributes one row, which is ignored.
+
+    With ``fired_share`` (the share of neurons whose activation was non-zero) and the C
+    kernels, a sparse FFN is counted as it reads: the gate rows of the predicted-active
+    neurons, the up and down rows only of those that fired (a silent gate's up row and a
+    zero activation's down row are skipped); without a gate, up rows of the predicted
+    neurons and down rows of the fired ones."""
     def nb(w) -> float:  # a tensor, a QWeight (fractional bytes per value) or a list of them
         return sum(nb(p) for p in w) if isinstance(w, list) else w.numel() * w.element_size()
 
@@ -97,10 +106,18 @@ def decode_bytes_per_token(model: Transformer, active_share: float | None = None
         for w in (layer.wqkv, layer.wo):
             n += nb(w)
         parts = [f] if hasattr(f, "up") else [p for p in (f.cpu, f.gpu) if p is not None]  # HybridFFN: both sides
-        rows = sum(w.numel() * w.element_size() for p in parts for w in (p.gate, p.up, p.down_t) if w is not None)
+        def rows_of(*names: str) -> float:
+            return sum(nb(w) for p in parts for w in (getattr(p, k) for k in names) if w is not None)
+
+        rows = rows_of("gate", "up", "down_t")
         if f.sparse and not model.dense:
-            n += f.fc1.numel() * f.fc1.element_size() + f.fc2.numel() * f.fc2.element_size()
-            rows *= 1.0 if active_share is None else active_share
+            n += nb(f.fc1) + nb(f.fc2)
+            if fired_share is not None and kernels.backend() == "c" and hasattr(f, "up"):
+                first = ("gate",) if f.gate is not None else ("up",)
+                rest = ("up", "down_t") if f.gate is not None else ("down_t",)
+                rows = rows_of(*first) * (active_share or 0.0) + rows_of(*rest) * fired_share
+            else:
+                rows *= 1.0 if active_share is None else active_share
         n += rows
     return int(n)
 
@@ -149,4 +166,6 @@ def generate(model: Transformer, prompt_ids: list[int], n_predict: int, sampler:
     st.t_ffn, st.t_predict = c1[0] - c0[0], c1[1] - c0[1]
     if not model.dense and c1[3] > c0[3]:
         st.decode_active_share = (c1[2] - c0[2]) / ((c1[3] - c0[3]) * model.args.n_ff)
+        if all(hasattr(layer.ffn, "n_fired") for layer in model.layers):  # not counted by hybrid FFNs
+            st.decode_fired_share = (c1[4] - c0[4]) / ((c1[3] - c0[3]) * model.args.n_ff)
     return st

@@ -123,34 +123,35 @@ void pi_gemv(int dt, const void *W, int64_t n, int64_t K, const void *x, float *
 }
 
 static inline void rows_range(int dt, const char *w1, const char *w2, const int64_t *idx, int64_t r0, int64_t r1,
-                              int64_t n, int64_t K, const void *x, float *y1, float *y2, int pfd) {
+                              int64_t n, int64_t K, const void *x, float *y1, float *y2, int pfd, float gmin) {
     const int64_t rb = K * (dt == 1 ? 2 : 4);
     for (int64_t r = r0; r < r1; r++) {
         const int64_t j = idx[r], jn = (pfd > 0 && r + pfd < n) ? idx[r + pfd] : -1;
         y1[r] = dot(w1 + j * rb, x, K, dt, jn >= 0 ? w1 + jn * rb : NULL);
-        if (w2) y2[r] = dot(w2 + j * rb, x, K, dt, jn >= 0 ? w2 + jn * rb : NULL);
+        if (w2) y2[r] = (gmin == -INFINITY || y1[r] > gmin) ? dot(w2 + j * rb, x, K, dt, NULL) : 0.f;
     }
 }
 
 static void rows_any(int dt, const char *w1, const char *w2, const int64_t *idx, int64_t r0, int64_t r1,
-                     int64_t n, int64_t K, const void *x, float *y1, float *y2, int pfd) {
-    if (dt == 1) rows_range(1, w1, w2, idx, r0, r1, n, K, x, y1, y2, pfd);
-    else rows_range(0, w1, w2, idx, r0, r1, n, K, x, y1, y2, pfd);
+                     int64_t n, int64_t K, const void *x, float *y1, float *y2, int pfd, float gmin) {
+    if (dt == 1) rows_range(1, w1, w2, idx, r0, r1, n, K, x, y1, y2, pfd, gmin);
+    else rows_range(0, w1, w2, idx, r0, r1, n, K, x, y1, y2, pfd, gmin);
 }
 
-/* y1[r] = W1[idx[r]] . x and, if W2, y2[r] = W2[idx[r]] . x, for r < n (idx ascending).
- * While neuron idx[r] is read, the rows of idx[r + pfd] are prefetched. */
+/* y1[r] = W1[idx[r]] . x and, if W2, y2[r] = W2[idx[r]] . x where y1[r] > gmin (else 0, the
+ * W2 row unread: a gated ReLU neuron whose gate is silent), for r < n (idx ascending).
+ * While neuron idx[r] is read, the gate row of idx[r + pfd] is prefetched. */
 void pi_dot_rows(int dt, const void *W1, const void *W2, const int64_t *idx, int64_t n, int64_t K,
-                 const void *x, float *y1, float *y2, int pfd) {
+                 const void *x, float *y1, float *y2, int pfd, float gmin) {
     if (n * K < PAR_MIN || omp_get_max_threads() == 1) {
-        rows_any(dt, (const char *)W1, (const char *)W2, idx, 0, n, n, K, x, y1, y2, pfd);
+        rows_any(dt, (const char *)W1, (const char *)W2, idx, 0, n, n, K, x, y1, y2, pfd, gmin);
         return;
     }
     #pragma omp parallel
     {
         int64_t r0, r1;
         split(n, omp_get_num_threads(), omp_get_thread_num(), &r0, &r1);
-        rows_any(dt, (const char *)W1, (const char *)W2, idx, r0, r1, n, K, x, y1, y2, pfd);
+        rows_any(dt, (const char *)W1, (const char *)W2, idx, r0, r1, n, K, x, y1, y2, pfd, gmin);
     }
 }
 
@@ -160,9 +161,10 @@ static inline void axpy_range(int dt, const char *w, const int64_t *idx, const f
     const int64_t rb = D * es;
     for (int64_t d = d0; d < d1; d++) out[d] = 0.f;
     for (int64_t r = 0; r < n && d0 < d1; r++) {
+        const float c = coef[r];
+        if (c == 0.f) continue;  /* a neuron that did not fire adds nothing: its row is not read */
         const char *row = w + idx[r] * rb;
         const char *next = (pfd > 0 && r + pfd < n) ? w + idx[r + pfd] * rb : NULL;
-        const float c = coef[r];
         int64_t d = d0;
 #ifdef __AVX512F__
         const __m512 cv = _mm512_set1_ps(c);
@@ -185,7 +187,8 @@ static void axpy_any(int dt, const char *w, const int64_t *idx, const float *coe
     else axpy_range(0, w, idx, coef, n, D, d0, d1, out, pfd);
 }
 
-/* out[d] = sum_r coef[r] * W[idx[r], d] for d < D (W [*, D] of type dt; coef, out f32).
+/* out[d] = sum_r coef[r] * W[idx[r], d] for d < D (W [*, D] of type dt; coef, out f32);
+ * rows with coef exactly 0 are skipped.
  * Each thread owns a slice of d (whole cache lines) and walks every selected row. */
 void pi_axpy_rows(int dt, const void *W, const int64_t *idx, const float *coef, int64_t n, int64_t D,
                   float *out, int pfd) {

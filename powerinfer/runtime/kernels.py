@@ -98,7 +98,7 @@ def _build(native: bool = True) -> ctypes.CDLL:
     P, I, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.pi_gemv.argtypes = [C, P, I, I, P, P]
     lib.pi_gemv.restype = None
-    lib.pi_dot_rows.argtypes = [C, P, P, P, I, I, P, P, P, C]
+    lib.pi_dot_rows.argtypes = [C, P, P, P, I, I, P, P, P, C, ctypes.c_float]
     lib.pi_dot_rows.restype = None
     lib.pi_axpy_rows.argtypes = [C, P, P, P, I, I, P, C]
     lib.pi_axpy_rows.restype = None
@@ -262,7 +262,8 @@ def rows_dot(x: torch.Tensor, idx: torch.Tensor, a, b=None,
         rb = None if b is None else torch.empty(k, dtype=torch.float32)
         idx = idx.contiguous()
         _state["lib"].pi_dot_rows(_DT[a.dtype], a.data_ptr(), _ptr(b), idx.data_ptr(), k, a.shape[1],
-                                  xw.data_ptr(), ra.data_ptr(), _ptr(rb), PREFETCH_ROWS)
+                                  xw.data_ptr(), ra.data_ptr(), _ptr(rb), PREFETCH_ROWS,
+                                  float("-inf") if gmin is None else gmin)
         return ra, rb
     xa = x.to(a.dtype)
     ra = F.linear(a.index_select(0, idx), xa).float()

@@ -309,7 +309,7 @@ void pi_q_dot_rows(int qt, const void *W1, const void *W2, const int64_t *idx, i
             if (r + 1 < r1) prefetch_row((const uint8_t *)W1 + idx[r + 1] * rb, rb);
             y1[r] = row_dot(qt, g, a, K);
             if (W2) {
-                if (y1[r] > gmin) {
+                if (gmin == -INFINITY || y1[r] > gmin) {
                     y2[r] = row_dot(qt, (const uint8_t *)W2 + idx[r] * rb, a, K);
                 } else {
                     y2[r] = 0.f;
