@@ -19,8 +19,15 @@ Engines (on the same weights):
 * ``llama.cpp``: the dense GGUF through ``llama-cpp-python`` (skipped with a note
   when it is not installed: ``pip install llama-cpp-python``).
 
+``--types`` picks the weight types: ``f16`` (the files above) and/or ``q4_0``, ``q8_0``
+(both files quantized once with ``pi-quantize`` next to them, then the same three engines
+on the quantized files: llama.cpp runs the very same dense quantized file). ``--rss``
+also loads each engine alone in a fresh process and reports its resident memory against
+the file size.
+
     python benchmarks/make_bench_model.py out/bench          # once: ~4.4 GB on disk
     python benchmarks/bench_decode.py out/bench              # 1 and 2 threads, 3 rounds
+    python benchmarks/bench_decode.py out/bench --types q4_0,q8_0 --engines sparse,dense,llama.cpp --rss
     python benchmarks/bench_decode.py --demo                 # the bundled demo model
 """
 from __future__ import annotations
@@ -88,8 +95,8 @@ class PiEngine(Engine):
 
     def run(self, ids, n):
         st = generate(self.model, ids, n + 1, SamplerSettings(temp=0.0), None)
-        if not self.model.dense:  # bytes from the share really computed
-            self.bytes_per_token = decode_bytes_per_token(self.model, st.decode_active_share)
+        if not self.model.dense:  # bytes from the rows really read
+            self.bytes_per_token = decode_bytes_per_token(self.model, st.decode_active_share, st.decode_fired_share)
         return Run(st.gen_tps, st.prompt_tps, 0.0, st.ffn_share, st.decode_active_share, st.n_eval / st.cpu_gen)
 
     def close(self):
@@ -275,6 +282,55 @@ def prepare_demo(out: Path) -> tuple[Path, Path, Path, str]:
     return sparse, dense, hf, how
 
 
+def quantized_files(sparse: Path, dense: Path, qtype: str) -> tuple[Path, Path]:
+    """``sparse``/``dense`` quantized to ``qtype`` beside them (written once with pi-quantize)."""
+    from powerinfer.convert.quantize import quantize_file
+
+    out = []
+    for src in (sparse, dense):
+        stem = src.name.split(".")[0]
+        dst = src.with_name(src.name.replace(stem, f"{stem}-{qtype}", 1))
+        if not dst.is_file():
+            print(f"writing {dst} ...", flush=True)
+            quantize_file(src, dst, qtype)
+        out.append(dst)
+    return out[0], out[1]
+
+
+def _rss_kb(key: str = "VmRSS") -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def probe(kind: str, path: str, threads: int) -> None:
+    """(Child process.) Load one engine, decode 16 tokens, print its resident memory as JSON."""
+    torch.set_num_threads(threads)
+    base = _rss_kb()
+    if kind == "llama.cpp":
+        e: Engine = LlamaCppEngine(kind, Path(path))
+    else:
+        e = PiEngine(kind, Path(path), "auto", dense=kind == "dense")
+    tok = GGUFTokenizer(open_gguf(path))
+    e.run(tok.encode(PROMPT)[:32], 16)
+    print(json.dumps({"rss_mb": (_rss_kb() - base) / 1024, "hwm_mb": (_rss_kb("VmHWM") - base) / 1024}))
+
+
+def resident(engines: list[tuple[str, str, Path]]) -> str:
+    """Resident memory of each engine loaded alone (fresh process) against its file size."""
+    lines = [f"{'engine':<22} {'file MB':>9} {'RSS MB':>8} {'RSS/file':>8} {'peak MB':>8}"]
+    for name, kind, path in engines:
+        r = subprocess.run([sys.executable, __file__, "--probe", kind, str(path)], capture_output=True, text=True)
+        if r.returncode != 0:
+            lines.append(f"{name:<22} probe failed: {r.stderr.strip()[-200:]}")
+            continue
+        m = json.loads(r.stdout.strip().splitlines()[-1])
+        size = path.stat().st_size / 2**20
+        lines.append(f"{name:<22} {size:9.0f} {m['rss_mb']:8.0f} {m['rss_mb'] / size:8.2f} {m['hwm_mb']:8.0f}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dir", nargs="?", default="out/bench", help="make_bench_model.py output folder")
@@ -289,7 +345,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kernels", default="auto", choices=["auto", "c", "torch"])
     ap.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
                     help="before each round, wait up to this long for other processes to leave the cores")
+    ap.add_argument("--types", default="f16", help="weight types: f16 and/or q4_0, q8_0 (comma-separated)")
+    ap.add_argument("--rss", action="store_true", help="also measure each engine's resident memory alone")
+    ap.add_argument("--probe", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.probe:
+        return probe(a.probe[0], a.probe[1], 1)
     kernels.set_backend(a.kernels)
     if a.demo:
         sparse_path, dense_path, hf_dir, how = prepare_demo(Path(a.dir if a.dir != "out/bench" else "out/bench-demo"))
@@ -303,21 +364,28 @@ def main(argv: list[str] | None = None) -> None:
     ids = (tok.encode(PROMPT * 8))[: a.n_prompt]
     wanted = a.engines.split(",")
     engines: list[Engine] = []
-    if "sparse" in wanted:
-        engines.append(PiEngine("pi-run sparse", sparse_path, a.dtype))
-    if "dense" in wanted:
-        engines.append(PiEngine("pi-run --dense", dense_path, a.dtype, dense=True))
+    probes: list[tuple[str, str, Path]] = []
+    for qt in a.types.split(","):
+        sp, dp = (sparse_path, dense_path) if qt == "f16" else quantized_files(sparse_path, dense_path, qt)
+        tag = qt.upper() if qt != "f16" else "f16"
+        if "sparse" in wanted:
+            engines.append(PiEngine(f"pi-run sparse {tag}", sp, a.dtype))
+            probes.append((engines[-1].name, "sparse", sp))
+        if "dense" in wanted:
+            engines.append(PiEngine(f"pi-run dense {tag}", dp, a.dtype, dense=True))
+            probes.append((engines[-1].name, "dense", dp))
+        if "llama.cpp" in wanted:
+            try:
+                engines.append(LlamaCppEngine(f"llama.cpp {tag}", dp))
+                probes.append((engines[-1].name, "llama.cpp", dp))
+            except ImportError:
+                e = Engine(f"llama.cpp {tag}")
+                e.note = "skipped: llama-cpp-python is not installed (pip install llama-cpp-python)"
+                engines.append(e)
+                print(f"note: {e.note}")
     if "hf" in wanted:
         engines.append(HFEngine(f"transformers {a.hf_dtype}", hf_dir,
                                 torch.bfloat16 if a.hf_dtype == "bf16" else torch.float32))
-    if "llama.cpp" in wanted:
-        try:
-            engines.append(LlamaCppEngine("llama.cpp f16", dense_path))
-        except ImportError:
-            e = Engine("llama.cpp f16")
-            e.note = "skipped: llama-cpp-python is not installed (pip install llama-cpp-python)"
-            engines.append(e)
-            print(f"note: {e.note}")
     dt = str(compute_dtype(a.dtype)).removeprefix("torch.")
     print(f"pi-run: {dt}, kernels {kernels.backend()}; {len(ids)} prompt tokens, {a.n_decode} decode tokens, "
           f"{a.rounds} rounds; load average {load_avg()}")
@@ -345,6 +413,9 @@ def main(argv: list[str] | None = None) -> None:
         print(table(engines, threads) + "\n", flush=True)
     for e in engines:
         e.close()
+    if a.rss:
+        print("resident memory, each engine alone in a fresh process (RSS growth over the bare interpreter):")
+        print(resident(probes), flush=True)
 
 
 if __name__ == "__main__":

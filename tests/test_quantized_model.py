@@ -79,14 +79,15 @@ def test_quantized_matrices_stay_in_the_memory_map(files):
     kernels.set_backend("c")
     g = open_gguf(files["q4_0-sparse"])
     model = Transformer(g)
-    qs = [model.tok_embd, model.output]
+    rows = [model.tok_embd, model.output]  # zero-copy views of the map
     for layer in model.layers:
         f = layer.ffn
-        qs += [layer.wo, f.gate, f.up, f.down_t, f.fc1]
-    assert all(isinstance(w, QWeight) for w in qs)
-    assert all(is_mapped(g, w.raw) for w in qs)  # zero-copy views; only Q/K/V are stacked (one copy)
+        rows += [f.gate, f.up, f.down_t, f.fc1, f.fc2]  # the sparse FFN reads neuron rows in place
+        # dense-only Q4_0 matrices are re-laid out in 8-row groups (one copy, the map pages released)
+        assert layer.wo.layout == layer.wqkv.layout == "x8" and not is_mapped(g, layer.wo.raw)
+    assert all(isinstance(w, QWeight) and w.layout == "rows" and is_mapped(g, w.raw) for w in rows)
     assert model.layers[0].ffn.fc2.btype.name == "F16"  # fc2 rows of 4 values: kept f16, still mapped
-    assert {w.btype.name for w in qs} == {"Q4_0", "Q8_0", "F16"}
+    assert {w.btype.name for w in rows} == {"Q4_0", "Q8_0", "F16"}
     assert model.output.btype.name == "Q8_0"
 
 

@@ -6,6 +6,10 @@ the GGUF memory map, so a quantized model is resident at its file size. The runt
 kernels (``powerinfer.runtime.kernels``) compute on it directly; :meth:`dequantize`
 is the reference (``gguf``'s numpy dequantizers) for tests and the torch backend.
 
+``layout`` is ``rows`` (the file's row-major blocks) or ``x8``: a Q4_0 matrix re-laid out
+in groups of 8 rows for dense products (:meth:`QWeight.to_x8`; same size, see
+``qkernels.c``), which cannot be sliced by row.
+
 ``.T`` gives the same bytes marked transposed (``[K, N]``), so a dense file's ``ffn_down``
 ``[n_embd, n_ff]`` can stand where the FFN expects ``down_t`` ``[n_ff, n_embd]``, as a
 transposed torch view does for float weights; :meth:`is_contiguous` is False for it.
@@ -31,6 +35,7 @@ class QWeight:
     n_rows: int  # N
     n_cols: int  # K (values per row)
     transposed: bool = False
+    layout: str = "rows"  # or "x8" (Q4_0 only, n_rows a multiple of 8)
 
     def __post_init__(self):
         if self.raw.dtype != torch.uint8 or tuple(self.raw.shape) != (self.n_rows, self.btype.row_bytes(self.n_cols)):
@@ -73,15 +78,54 @@ class QWeight:
         return self.btype.nbytes / self.btype.block
 
     # ------------------------------------------------------------ rows
+    # ------------------------------------------------------------ 8-row groups
+    def can_x8(self) -> bool:
+        return self.btype.name == "Q4_0" and self.layout == "rows" and self.n_rows % 8 == 0 and not self.transposed
+
+    def to_x8(self, out: torch.Tensor | None = None) -> "QWeight":
+        """This Q4_0 matrix in the ``x8`` layout (into ``out``, uint8 of the same shape, if given).
+
+        Group ``g`` of 8 rows, block ``b``: 16 bytes of the 8 fp16 scales, then for ``c`` in
+        0..3 the bytes ``4c..4c+3`` of each row's 16 nibble bytes, row after row.
+        """
+        if not self.can_x8():
+            raise ValueError(f"{self!r}: only untransposed Q4_0 rows, a multiple of 8 of them, go to x8")
+        G, nb = self.n_rows // 8, self.n_cols // 32
+        out = torch.empty_like(self.raw) if out is None else out
+        src, dst = self.raw.numpy(), out.numpy()
+        step = max(1, (1 << 24) // max(1, 8 * src.shape[1]))  # ~16 MB of rows per chunk
+        for g0 in range(0, G, step):
+            g1 = min(G, g0 + step)
+            blk = src[8 * g0:8 * g1].reshape(g1 - g0, 8, nb, 18)
+            part = dst[8 * g0:8 * g1].reshape(g1 - g0, nb, 144)
+            part[..., :16] = blk[..., :2].transpose(0, 2, 1, 3).reshape(g1 - g0, nb, 16)
+            part[..., 16:] = blk[..., 2:].reshape(g1 - g0, 8, nb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(
+                g1 - g0, nb, 128)
+        return QWeight(out, self.btype, self.n_rows, self.n_cols, layout="x8")
+
+    def _rows_raw(self) -> np.ndarray:
+        """The row-major block bytes ``[N, row_bytes]`` (undoing ``x8``)."""
+        raw = self.raw.numpy()
+        if self.layout == "rows":
+            return raw
+        G, nb = self.n_rows // 8, self.n_cols // 32
+        blk = raw.reshape(G, nb, 144)
+        out = np.empty((G, 8, nb, 18), np.uint8)
+        out[..., :2] = blk[..., :16].reshape(G, nb, 8, 2).transpose(0, 2, 1, 3)
+        out[..., 2:] = blk[..., 16:].reshape(G, nb, 4, 8, 4).transpose(0, 3, 1, 2, 4).reshape(G, 8, nb, 16)
+        return out.reshape(self.n_rows, -1)
+
     def index_select(self, dim: int, ids: torch.Tensor) -> "QWeight":
         """Rows ``ids`` (of the stored, untransposed matrix) copied into a new QWeight."""
-        if dim != 0 or self.transposed:
-            raise ValueError("QWeight selects stored rows only (dim 0, untransposed)")
+        if dim != 0 or self.transposed or self.layout != "rows":
+            raise ValueError("QWeight selects stored rows only (dim 0, untransposed, row layout)")
         return QWeight(self.raw.index_select(0, ids.to(torch.long)).contiguous(), self.btype, int(ids.numel()),
                        self.n_cols)
 
     def rows(self, r0: int, r1: int) -> "QWeight":
         """Rows ``[r0, r1)`` as a view."""
+        if self.layout != "rows":
+            raise ValueError("rows of an x8 QWeight cannot be viewed")
         return QWeight(self.raw[r0:r1], self.btype, r1 - r0, self.n_cols)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
@@ -89,8 +133,8 @@ class QWeight:
 
         Reference implementation (``gguf.quants.dequantize``, numpy), not the fast path.
         """
-        raw = self.raw if rows is None else self.raw[rows]
-        arr = raw.numpy()
+        arr = self._rows_raw()
+        arr = arr if rows is None else arr[rows.numpy() if isinstance(rows, torch.Tensor) else rows]
         if self.btype is F16:
             out = arr.view(np.float16).astype(np.float32)
         else:
@@ -99,4 +143,5 @@ class QWeight:
 
     def __repr__(self) -> str:
         t = ".T" if self.transposed else ""
-        return f"QWeight({self.btype.name}, [{self.n_rows}, {self.n_cols}]{t}, {self.nbytes} bytes)"
+        lay = "" if self.layout == "rows" else f", {self.layout}"
+        return f"QWeight({self.btype.name}{lay}, [{self.n_rows}, {self.n_cols}]{t}, {self.nbytes} bytes)"

@@ -109,7 +109,8 @@ def _build(native: bool = True) -> ctypes.CDLL:
     lib.pi_q_dot_rows.argtypes = [C, P, P, P, I, I, P, P, P, F32]
     lib.pi_q_axpy_rows.argtypes = [C, P, P, P, I, I, P]
     lib.pi_q_dequant_rows.argtypes = [C, P, P, I, I, P]
-    for f in (lib.pi_q_gemm, lib.pi_q_dot_rows, lib.pi_q_axpy_rows, lib.pi_q_dequant_rows):
+    lib.pi_q4x8_gemm.argtypes = [P, I, I, P, I, P]
+    for f in (lib.pi_q_gemm, lib.pi_q_dot_rows, lib.pi_q_axpy_rows, lib.pi_q_dequant_rows, lib.pi_q4x8_gemm):
         f.restype = None
     return lib
 
@@ -148,7 +149,17 @@ def _c_ok(*ws: torch.Tensor | None) -> bool:
 
 
 def _q_c_ok(w: QWeight) -> bool:
-    return backend() == "c" and w.btype.name in _QT and w.raw.device.type == "cpu" and w.raw.is_contiguous()
+    return (backend() == "c" and w.btype.name in _QT and w.raw.device.type == "cpu" and w.raw.is_contiguous()
+            and w.layout == "rows")
+
+
+def for_dense_products(w, alloc=None):
+    """``w`` laid out for dense products when that is faster: an untransposed Q4_0 QWeight
+    with a multiple of 8 rows goes to the ``x8`` layout (C backend only; ``alloc(shape,
+    dtype)`` gives its memory); anything else is returned as it is."""
+    if isinstance(w, QWeight) and w.can_x8() and backend() == "c":
+        return w.to_x8(None if alloc is None else alloc(tuple(w.raw.shape), torch.uint8))
+    return w
 
 
 def _ptr(t: torch.Tensor | None):
@@ -183,7 +194,7 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
 def dequant_rows(w: QWeight, r0: int, r1: int, idx: torch.Tensor | None = None) -> torch.Tensor:
     """Stored rows ``[r0, r1)`` (or rows ``idx``) of ``w`` as fp32 ``[n, K]``."""
     if not _q_c_ok(w):
-        return w.dequantize(rows=slice(r0, r1) if idx is None else idx)
+        return w.dequantize(rows=slice(r0, r1) if idx is None else idx).float()
     n = r1 - r0 if idx is None else idx.numel()
     out = torch.empty(n, w.n_cols, dtype=torch.float32)
     if n:
@@ -199,6 +210,10 @@ def _q_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
         return matmul(x, w.T)
     T, (N, K) = x.shape[0], w.shape
     xf = x.float().contiguous()
+    if w.layout == "x8" and backend() == "c":  # every T: the 8-row kernel also tiles 4 tokens
+        y = torch.empty(T, N, dtype=torch.float32)
+        _state["lib"].pi_q4x8_gemm(w.raw.data_ptr(), N, K, xf.data_ptr(), T, y.data_ptr())
+        return y
     if T <= QGEMM_MAX_T and _q_c_ok(w):
         y = torch.empty(T, N, dtype=torch.float32)
         _state["lib"].pi_q_gemm(_QT[w.btype.name], w.raw.data_ptr(), N, K, xf.data_ptr(), T, y.data_ptr())

@@ -34,7 +34,7 @@ from .args import ModelArgs
 from ..quant.qweight import QWeight
 from .ffn import FFN
 from .kernels import attend_one, embed, linear
-from .weights import is_quantized, load_concat, load_matrix, load_tensor, stack_rows, tensor_shape
+from .weights import dense_layout, is_quantized, load_concat, load_matrix, load_tensor, stack_rows, tensor_shape
 
 
 @dataclass
@@ -124,7 +124,8 @@ def load_attention(g: GGUFFile, p: str, a: ModelArgs, dtype: torch.dtype, mapped
     hd = a.head_dim
     rows = (a.n_head + 2 * a.n_head_kv) * hd
     if p + "attn_qkv.weight" in g.tensors:
-        wqkv, bqkv = load_matrix(g, p + "attn_qkv.weight", dtype, mapped), _maybe(g, p + "attn_qkv.bias", dtype)
+        wqkv = load_matrix(g, p + "attn_qkv.weight", dtype, mapped, dense_use=True)
+        bqkv = _maybe(g, p + "attn_qkv.bias", dtype)
     else:
         names = [f"{p}attn_{n}.weight" for n in "qkv"]
         want = [(a.n_head * hd, a.n_embd), (a.n_head_kv * hd, a.n_embd), (a.n_head_kv * hd, a.n_embd)]
@@ -136,11 +137,14 @@ def load_attention(g: GGUFFile, p: str, a: ModelArgs, dtype: torch.dtype, mapped
             wqkv = load_concat(g, names, dtype)  # filled in place: no per-tensor copies to concatenate
         elif all(isinstance(w, QWeight) for w in parts):
             wqkv = stack_rows(g, names, parts)
+            wqkv = dense_layout(g, names, wqkv) if isinstance(wqkv, QWeight) else \
+                [dense_layout(g, [n], w) for n, w in zip(names, wqkv)]
         else:
-            wqkv = parts
+            wqkv = [dense_layout(g, [n], w) for n, w in zip(names, parts)]
         bs = [_maybe(g, f"{p}attn_{n}.bias", dtype) for n in "qkv"]
         bqkv = torch.cat(bs) if all(b is not None for b in bs) else None
-    wo, bo = load_matrix(g, p + "attn_output.weight", dtype, mapped), _maybe(g, p + "attn_output.bias", dtype)
+    wo = load_matrix(g, p + "attn_output.weight", dtype, mapped, dense_use=True)
+    bo = _maybe(g, p + "attn_output.bias", dtype)
     if isinstance(wqkv, list):
         if [tuple(w.shape) for w in wqkv] != want:
             raise PowerInferError(f"{g.path}: {p}attn_q/k/v shapes do not match the metadata")
@@ -159,9 +163,10 @@ def build_ffn(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype, dense: bool
     p = f"blk.{i}."
     fam = a.family
     down = "ffn_down_t" if a.sparse else "ffn_down"
-    gate = load_matrix(g, p + "ffn_gate.weight", dtype, mapped) if fam.gated else None
-    up = load_matrix(g, p + "ffn_up.weight", dtype, mapped)
-    down_t = load_matrix(g, f"{p}{down}.weight", dtype, mapped)
+    by_rows = a.sparse and not dense  # a sparse FFN reads gate/up/down_t by neuron rows
+    gate = load_matrix(g, p + "ffn_gate.weight", dtype, mapped, not by_rows) if fam.gated else None
+    up = load_matrix(g, p + "ffn_up.weight", dtype, mapped, not by_rows)
+    down_t = load_matrix(g, f"{p}{down}.weight", dtype, mapped, not a.sparse)  # PWRI down_t: rows
     if not a.sparse:
         down_t = down_t.T  # [F, D] view of ffn_down [D, F] (the FFN runs F.linear on it)
     ffn = FFN(fam, a.activation, gate, up, down_t, threshold=a.sparse_threshold)
@@ -176,8 +181,8 @@ def build_ffn(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype, dense: bool
         if ffn.up_b.shape != (a.n_ff,) or ffn.down_b.shape != (a.n_embd,):
             raise PowerInferError(f"{g.path}: blk.{i} FFN bias shapes do not match n_ff/n_embd")
     if a.sparse and not dense:
-        ffn.fc1 = load_matrix(g, p + "fc1.weight", dtype, mapped)
-        ffn.fc2 = load_matrix(g, p + "fc2.weight", dtype, mapped)
+        ffn.fc1 = load_matrix(g, p + "fc1.weight", dtype, mapped, dense_use=True)
+        ffn.fc2 = load_matrix(g, p + "fc2.weight", dtype, mapped, dense_use=True)
         if ffn.fc1.shape[1] != a.n_embd or ffn.fc2.shape != (a.n_ff, ffn.fc1.shape[0]):
             raise PowerInferError(f"{g.path}: blk.{i} predictor shapes {tuple(ffn.fc1.shape)}, "
                                   f"{tuple(ffn.fc2.shape)} do not match the model")
@@ -217,7 +222,7 @@ class Transformer:
         if self.tok_embd.shape != (a.n_vocab or self.tok_embd.shape[0], a.n_embd):
             raise PowerInferError(f"{g.path}: token_embd shape {tuple(self.tok_embd.shape)} does not match n_embd {a.n_embd}")
         self.output_norm = load_norm(g, "output_norm", a, dtype)
-        out = load_matrix(g, "output.weight", dtype, mapped) if "output.weight" in g.tensors else None
+        out = load_matrix(g, "output.weight", dtype, mapped, dense_use=True) if "output.weight" in g.tensors else None
         self.output = self.tok_embd if out is None else out  # [V, D]; OPT ties it to the embedding
         if self.output.shape != self.tok_embd.shape:
             raise PowerInferError(f"{g.path}: output shape {tuple(self.output.shape)} does not match token_embd")

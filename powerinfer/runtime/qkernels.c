@@ -223,6 +223,42 @@ static inline float dot_f16(const uint8_t *row, const float *x, int64_t K) {
     return acc;
 }
 
+#ifdef PI_AVX2
+/* Register tile: out[i * RN + j] = row_i . x_j for RM Q4_0/Q8_0 rows and RN q8 activations,
+ * with RM * RN independent accumulators (one FMA chain per pair instead of one per row) and
+ * each block's unpacked weights reused for every activation. RM, RN are compile-time
+ * constants at every call, so the loops unroll and the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile_q8(
+        int qt, const uint8_t *const *rows, const int8_t *const *xq, const float *const *xd, int64_t nb,
+        const int RM, const int RN, float *out) {
+    const int64_t bb = qt == QT_Q4_0 ? 18 : 34;
+    __m256 acc[4][4];
+    for (int i = 0; i < RM; i++)
+        for (int j = 0; j < RN; j++) acc[i][j] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i qy[4];
+        float dy[4];
+        for (int j = 0; j < RN; j++) {
+            qy[j] = _mm256_loadu_si256((const __m256i *)(xq[j] + b * QK));
+            dy[j] = xd[j][b];
+        }
+        for (int i = 0; i < RM; i++) {
+            const uint8_t *blk = rows[i] + b * bb;
+            const float dx = h2f(rd16(blk));
+            const __m256i qx = qt == QT_Q4_0 ? q4_0_bytes(blk + 2) : _mm256_loadu_si256((const __m256i *)(blk + 2));
+            const __m256i ax = _mm256_sign_epi8(qx, qx);
+            for (int j = 0; j < RN; j++) {
+                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(qy[j], qx)), ones);
+                acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(dx * dy[j]), _mm256_cvtepi32_ps(p), acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < RM; i++)
+        for (int j = 0; j < RN; j++) out[i * RN + j] = hsum8(acc[i][j]);
+}
+#endif
+
 /* The activation as every kernel needs it: f32, plus its q8 blocks for Q4_0/Q8_0 weights. */
 typedef struct {
     const float *x;
@@ -269,8 +305,43 @@ static inline act_t act_of(const float *x, const int8_t *qbuf, const float *dbuf
 }
 
 /* ------------------------------------------------------------------ public kernels */
+#ifdef PI_AVX2
+/* rows [r0, r1) of y [T, N] for Q4_0/Q8_0: tiles of 4 rows x up to 3 tokens */
+static void gemm_q8_range(int qt, const uint8_t *W, int64_t rb, int64_t N, int64_t K, const int8_t *qbuf,
+                          const float *dbuf, int64_t T, float *y, int64_t r0, int64_t r1) {
+    const int64_t nb = K / QK;
+    for (int64_t t = 0; t < T; t += 3) {
+        const int rn = T - t >= 3 ? 3 : (int)(T - t);
+        const int8_t *xq[3];
+        const float *xd[3];
+        for (int j = 0; j < rn; j++) {
+            xq[j] = qbuf + (t + j) * K;
+            xd[j] = dbuf + (t + j) * nb;
+        }
+        float o[12];
+        int64_t r = r0;
+        for (; r + 4 <= r1; r += 4) {
+            const uint8_t *rows[4] = {W + r * rb, W + (r + 1) * rb, W + (r + 2) * rb, W + (r + 3) * rb};
+            if (rn == 3) tile_q8(qt, rows, xq, xd, nb, 4, 3, o);
+            else if (rn == 2) tile_q8(qt, rows, xq, xd, nb, 4, 2, o);
+            else tile_q8(qt, rows, xq, xd, nb, 4, 1, o);
+            for (int i = 0; i < 4; i++)
+                for (int j = 0; j < rn; j++) y[(t + j) * N + r + i] = o[i * rn + j];
+        }
+        for (; r < r1; r++) {
+            const uint8_t *rows[1] = {W + r * rb};
+            if (rn == 3) tile_q8(qt, rows, xq, xd, nb, 1, 3, o);
+            else if (rn == 2) tile_q8(qt, rows, xq, xd, nb, 1, 2, o);
+            else tile_q8(qt, rows, xq, xd, nb, 1, 1, o);
+            for (int j = 0; j < rn; j++) y[(t + j) * N + r] = o[j];
+        }
+    }
+}
+#endif
+
 /* y[t, r] = W[r] . x[t] for r < N, t < T: W [N, K] of type qt, x [T, K] f32, y [T, N] f32.
- * One weight row is read once and dotted with all T tokens (prompt processing). */
+ * Q4_0/Q8_0 (AVX2): register tiles of 4 rows x 3 tokens; otherwise one row at a time,
+ * dotted with every token while it is in cache. */
 void pi_q_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x, int64_t T, float *y) {
     const int64_t rb = row_bytes(qt, K);
     int8_t *qbuf = uses_q8(qt) ? malloc((size_t)(T * K)) : NULL;
@@ -280,7 +351,15 @@ void pi_q_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x, int6
     #pragma omp parallel if (par)
     {
         int64_t r0, r1;
-        split(N, omp_get_num_threads(), omp_get_thread_num(), &r0, &r1);
+        const int nt = omp_get_num_threads();
+        const int64_t per = ((N + nt - 1) / nt + 3) / 4 * 4;  /* whole tiles per thread */
+        r0 = omp_get_thread_num() * per < N ? omp_get_thread_num() * per : N;
+        r1 = r0 + per < N ? r0 + per : N;
+#ifdef PI_AVX2
+        if (uses_q8(qt)) {
+            gemm_q8_range(qt, (const uint8_t *)W, rb, N, K, qbuf, dbuf, T, y, r0, r1);
+        } else
+#endif
         for (int64_t r = r0; r < r1; r++) {
             const uint8_t *row = (const uint8_t *)W + r * rb;
             for (int64_t t = 0; t < T; t++) y[t * N + r] = row_dot(qt, row, act_of(x, qbuf, dbuf, t, K), K);
@@ -446,6 +525,113 @@ void pi_q_axpy_rows(int qt, const void *W, const int64_t *idx, const float *coef
     }
     free(rows);
     free(cs);
+}
+
+/* ------------------------------------------------------------------ Q4_0 in 8-row groups
+ * Dense products (attention, output, dense FFNs) read Q4_0 matrices re-laid out at load in
+ * groups of 8 rows ("Q4_0x8", same bytes per row): for group g and block b, 144 bytes at
+ * (g * nb + b) * 144 hold the 8 rows' fp16 scales, then 4 chunks of 32 bytes; chunk c holds
+ * bytes 4c..4c+3 of each row's 16 nibble bytes (row i at offset 4i), i.e. values 4c..4c+3
+ * in the low nibbles and 16+4c..16+4c+3 in the high ones. One 32-byte load then gives four
+ * values of all 8 rows, multiplied (vpmaddubsw, the nibbles unsigned 0..15) with those four
+ * activation bytes broadcast; the offset 8 is taken off once per block as 8 * sum(x block).
+ * The eight lanes of the accumulator are the eight rows: no horizontal sums. */
+static inline void q4x8_block_ref(const uint8_t *blk, const int8_t *xb, int32_t xs, int32_t *dot8) {
+    for (int i = 0; i < 8; i++) {
+        int32_t s = 0;
+        for (int c = 0; c < 4; c++)
+            for (int e = 0; e < 4; e++) {
+                const uint8_t v = blk[16 + 32 * c + 4 * i + e];
+                s += (v & 15) * xb[4 * c + e] + (v >> 4) * xb[16 + 4 * c + e];
+            }
+        dot8[i] = s - 8 * xs;
+    }
+}
+
+/* groups [g0, g1) of y [T, N] for a Q4_0x8 matrix; xq/xd/xs: the T activations' q8 blocks,
+ * scales and block sums */
+static void q4x8_range(const uint8_t *W, int64_t nb, int64_t N, const int8_t *xq, const float *xd,
+                       const int32_t *xs, int64_t K, int64_t T, float *y, int64_t g0, int64_t g1) {
+    for (int64_t t0 = 0; t0 < T; t0 += 4) {
+        const int rn = T - t0 >= 4 ? 4 : (int)(T - t0);
+        for (int64_t g = g0; g < g1; g++) {
+            const uint8_t *base = W + g * nb * 144;
+#ifdef PI_AVX2
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = base + b * 144;
+                const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+                __m256i lo[4], hi[4];
+                for (int c = 0; c < 4; c++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+                    lo[c] = _mm256_and_si256(v, m4);
+                    hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                }
+                for (int j = 0; j < rn; j++) {
+                    const int8_t *xb = xq + (t0 + j) * K + b * QK;
+                    int32_t w4[8];
+                    memcpy(w4, xb, 32);
+                    __m256i s16 = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(w4[0]));
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[1], _mm256_set1_epi32(w4[1])));
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[2], _mm256_set1_epi32(w4[2])));
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[3], _mm256_set1_epi32(w4[3])));
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32(w4[4])));
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[1], _mm256_set1_epi32(w4[5])));
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[2], _mm256_set1_epi32(w4[6])));
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[3], _mm256_set1_epi32(w4[7])));
+                    /* |each pair| <= 2 * 15 * 127, eight of them <= 30480: no int16 overflow */
+                    const __m256i s32 = _mm256_sub_epi32(_mm256_madd_epi16(s16, ones),
+                                                         _mm256_set1_epi32(8 * xs[(t0 + j) * nb + b]));
+                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32),
+                                             _mm256_mul_ps(dw, _mm256_set1_ps(xd[(t0 + j) * nb + b])), acc[j]);
+                }
+            }
+            for (int j = 0; j < rn; j++) {
+                float o[8];
+                _mm256_storeu_ps(o, acc[j]);
+                for (int i = 0; i < 8; i++) y[(t0 + j) * N + 8 * g + i] = o[i];
+            }
+#else
+            float acc[4][8] = {{0}};
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = base + b * 144;
+                for (int j = 0; j < rn; j++) {
+                    int32_t d8[8];
+                    q4x8_block_ref(blk, xq + (t0 + j) * K + b * QK, xs[(t0 + j) * nb + b], d8);
+                    for (int i = 0; i < 8; i++)
+                        acc[j][i] += (float)d8[i] * (h2f(rd16(blk + 2 * i)) * xd[(t0 + j) * nb + b]);
+                }
+            }
+            for (int j = 0; j < rn; j++)
+                for (int i = 0; i < 8; i++) y[(t0 + j) * N + 8 * g + i] = acc[j][i];
+#endif
+        }
+    }
+}
+
+/* y [T, N] = x [T, K] @ W.T for a Q4_0x8 matrix W (N a multiple of 8). */
+void pi_q4x8_gemm(const void *W, int64_t N, int64_t K, const float *x, int64_t T, float *y) {
+    const int64_t nb = K / QK, G = N / 8;
+    int8_t *qbuf = malloc((size_t)(T * K));
+    float *dbuf = malloc((size_t)(T * nb) * sizeof(float));
+    int32_t *sbuf = malloc((size_t)(T * nb) * sizeof(int32_t));
+    prepare(QT_Q4_0, x, T, K, qbuf, dbuf);
+    for (int64_t i = 0; i < T * nb; i++) {
+        int32_t s = 0;
+        for (int e = 0; e < QK; e++) s += qbuf[i * QK + e];
+        sbuf[i] = s;
+    }
+    const int par = G * nb * 144 >= PAR_MIN_BYTES && omp_get_max_threads() > 1;
+    #pragma omp parallel if (par)
+    {
+        int64_t g0, g1;
+        split(G, omp_get_num_threads(), omp_get_thread_num(), &g0, &g1);
+        q4x8_range((const uint8_t *)W, nb, N, qbuf, dbuf, sbuf, K, T, y, g0, g1);
+    }
+    free(qbuf);
+    free(dbuf);
+    free(sbuf);
 }
 
 /* out[r] = W[idx ? idx[r] : r] as f32 rows [n, K] (embedding lookups, tile dequantization). */

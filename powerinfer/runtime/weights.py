@@ -167,9 +167,13 @@ def is_quantized(g: GGUFFile) -> bool:
     return any(t.tensor_type.name not in FLOAT_TYPES for t in g.tensors.values())
 
 
-def load_matrix(g: GGUFFile, name: str, dtype: torch.dtype, mapped: bool):
+def load_matrix(g: GGUFFile, name: str, dtype: torch.dtype, mapped: bool, dense_use: bool = False):
     """A 2-D weight: a :class:`QWeight` view of the map when ``mapped`` and its type is one the
     kernels compute on (:data:`MAPPED_TYPES`), else :func:`load_tensor` in ``dtype``.
+
+    ``dense_use``: the matrix is only used in dense products (never by rows), so a Q4_0 one
+    is re-laid out in 8-row groups (``kernels.for_dense_products``; a copy in anonymous
+    memory, the mapped pages released: resident once either way).
 
     Raises PowerInferError when a quantized tensor's byte size does not match its type and
     shape, or its rows are not whole blocks.
@@ -185,7 +189,20 @@ def load_matrix(g: GGUFFile, name: str, dtype: torch.dtype, mapped: bool):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only map; weights are never written
         raw = torch.from_numpy(t.data.view(np.uint8).reshape(shape[0], bt.row_bytes(shape[1])))
-    return QWeight(raw, bt, shape[0], shape[1])
+    w = QWeight(raw, bt, shape[0], shape[1])
+    return dense_layout(g, [name], w) if dense_use else w
+
+
+def dense_layout(g: GGUFFile, names: list[str], w):
+    """``w`` (loaded from tensors ``names``) in the layout dense products run fastest on,
+    releasing the pages it was read from when that made a copy."""
+    from .kernels import for_dense_products
+
+    out = for_dense_products(w, empty)
+    if out is not w and is_mapped(g, w.raw):
+        for n in names:
+            _release(g, _tensor(g, n))
+    return out
 
 
 def stack_rows(g: GGUFFile, names: list[str], parts: list) -> "QWeight | list":
