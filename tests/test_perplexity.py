@@ -116,16 +116,17 @@ def test_oracle_equals_dense_exactly_on_demo_model(demo_pwri, chunks):
 @pytest.mark.parametrize("dense", [False, True], ids=["predictor", "dense"])
 def test_batched_equals_token_by_token(demo_pwri, chunks, dense):
     model = Transformer(open_gguf(demo_pwri), dense=dense, n_ctx=N_CTX)
-    batched = perplexity(model, chunks[:2])
-    one = perplexity(model, chunks[:2], n_batch=1)  # T = 1 calls: attend_one and the sparse row kernels
-    odd = perplexity(model, chunks[:2], n_batch=37)  # batches straddling the scored half
+    chunk = chunks[1:2]
+    batched = perplexity(model, chunk)
+    one = perplexity(model, chunk, n_batch=1)  # T = 1 calls: attend_one and the sparse row kernels
+    odd = perplexity(model, chunk, n_batch=37)  # batches straddling the scored half
     assert one.ppl == pytest.approx(batched.ppl, rel=1e-6)
     assert max(abs(a - b) for a, b in zip(one.token_nll, batched.token_nll)) <= 1e-4
     assert odd.ppl == pytest.approx(batched.ppl, rel=1e-6)
     if not dense:
         assert 0.3 < one.active_share == batched.active_share < 0.7
-        assert batched.ppl > 1.5 * perplexity(Transformer(open_gguf(demo_pwri), dense=True, n_ctx=N_CTX),
-                                              chunks[:2]).ppl  # random predictors do hurt
+        dense_ppl = perplexity(Transformer(open_gguf(demo_pwri), dense=True, n_ctx=N_CTX), chunk).ppl
+        assert batched.ppl > 1.5 * dense_ppl  # random predictors do hurt: the sparse path is really taken
 
 
 def test_stderr_formula_is_llama_cpps():
@@ -186,3 +187,22 @@ def test_cli_bad_files(stories_gguf, text_file, tmp_path):
                                 (stories_gguf, short, "at least 512")]:
         r = _run("-m", model, "-f", text, "-c", N_CTX)
         assert r.exit_code == 1 and r.output.count("Error:") == 1 and needle in r.output, r.output
+
+
+def test_agrees_with_llama_cpp(text):
+    """llama.cpp (llama-cpp-python) on the same GGUF and the same token ids, scored the same way."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    path = need(STORIES / "stories260K.ggml-org.gguf")
+    g = open_gguf(path)
+    tok = GGUFTokenizer(g)
+    chunks = chunk_tokens(tok.encode(text), N_CTX, N_CHUNKS, tok.bos_id)
+    llm = llama_cpp.Llama(str(path), n_ctx=N_CTX, n_batch=N_CTX, logits_all=True, n_threads=1, verbose=False)
+    logits = []
+    for ids in chunks:
+        llm.reset()
+        llm.eval(ids)
+        logits.append(torch.tensor(llm.scores[:N_CTX]))
+    ref_ppl, ref_err = reference_ppl(logits, chunks)
+    res = perplexity(Transformer(g, n_ctx=N_CTX), chunks)
+    assert res.ppl == pytest.approx(ref_ppl, rel=1e-3)
+    assert res.stderr == pytest.approx(ref_err, rel=1e-2)
