@@ -206,3 +206,26 @@ def test_agrees_with_llama_cpp(text):
     res = perplexity(Transformer(g, n_ctx=N_CTX), chunks)
     assert res.ppl == pytest.approx(ref_ppl, rel=1e-3)
     assert res.stderr == pytest.approx(ref_err, rel=1e-2)
+
+
+@pytest.mark.parametrize("family", ["prosparse", "bamboo", "falcon", "opt"])
+def test_every_family_oracle_equals_dense(family, tmp_path, text):
+    """Each family's small random model as a PWRI file (every neuron predicted active): the
+    oracle computes a share of the neurons and still equals dense bit for bit."""
+    from family_models import BUILDERS
+    from helpers import all_active_predictors
+
+    d = BUILDERS[family](tmp_path / family)
+    cfg = json.loads((d / "config.json").read_text())
+    n_embd = cfg.get("hidden_size") or cfg["d_model"]
+    n_ff = cfg.get("intermediate_size") or cfg.get("ffn_dim") or 4 * n_embd
+    pred = all_active_predictors(tmp_path / "pred", n_embd, n_ff, cfg.get("num_hidden_layers") or cfg["n_layer"])
+    g = open_gguf(convert(d, tmp_path / "m.powerinfer.gguf", pred, outtype="f32", progress=False))
+    tok = GGUFTokenizer(g)
+    chunks = chunk_tokens(tok.encode(text[:4000]), 32, 2, tok.bos_id if tok.add_bos else None)
+    dense = perplexity(Transformer(g, dense=True, n_ctx=32), chunks)
+    model = Transformer(g, n_ctx=32)
+    model.oracle_masks()
+    oracle = perplexity(model, chunks)
+    assert oracle.token_nll == dense.token_nll and math.isfinite(dense.ppl)
+    assert oracle.active_share < 0.8
