@@ -144,7 +144,7 @@ def test_cli_writes_plain_1d_int_tensors_and_stats(tiny_relu, text_file, tmp_pat
     stats = json.loads((out / STATS_FILE).read_text())
     assert stats["n_tokens"] == 200
     assert [l["layer"] for l in stats["layers"]] == [0, 1, 2]
-    assert sorted(p.name for p in out.iterdir()) == [f"activation_{i}.pt" for i in range(3)] + [STATS_FILE]
+    assert sorted(p.name for p in out.iterdir()) == [f"activation_{i}.pt" for i in range(3)] + [STATS_FILE, "report.png"]
 
 
 def test_layer_10_file_holds_layer_10_counts(tmp_path, text_file):

@@ -157,9 +157,10 @@ def test_qweight_checks_its_bytes_and_selects_rows():
     assert w.element_size() == 18 / 32 and w.nbytes == 8 * 36
 
 
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0"])
 @pytest.mark.parametrize("T", [1, 2, 5, 9])
-def test_q4_0_in_8_row_groups_equals_row_layout(lib, T):
-    w = make("Q4_0", 64, 256, seed=9)
+def test_8_row_groups_equal_row_layout(lib, name, T):
+    w = make(name, 64, 256, seed=9)
     x8 = w.to_x8()
     assert x8.layout == "x8" and x8.nbytes == w.nbytes and not torch.equal(x8.raw, w.raw)
     assert torch.equal(x8.dequantize(), w.dequantize())  # the layout round-trips
@@ -167,5 +168,5 @@ def test_q4_0_in_8_row_groups_equals_row_layout(lib, T):
     assert close(kernels.linear(x, x8), reference(w, x))  # every T quantizes the activation
     with pytest.raises(ValueError):
         x8.index_select(0, torch.tensor([1]))
-    assert kernels.for_dense_products(make("Q8_0", 64, 256)).layout == "rows"
+    assert kernels.for_dense_products(make("F16", 64, 256)).layout == "rows"
     assert kernels.for_dense_products(make("Q4_0", 60, 256)).layout == "rows"  # not whole groups

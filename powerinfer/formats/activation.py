@@ -6,7 +6,8 @@ dtype when reading. Layers are found by the number in the file name, never by
 sorting names as strings (upstream's exporter put ``activation_10`` before
 ``activation_2``) and never by counting files, so a README or ``.gitkeep`` beside
 them is harmless. Our own metadata goes in ``powerinfer_stats.json``, which
-upstream readers (globbing ``activation_*.pt``) ignore.
+upstream readers (globbing ``activation_*.pt``) ignore, as they ignore the
+``report.png`` that ``pi-profile`` draws beside them.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from ._atomic import atomic_dir
 
 STATS_FILE = "powerinfer_stats.json"
 _NAME = re.compile(r"activation_(\d+)\.pt")
-OWNED = r"activation_\d+\.pt|powerinfer_stats\.json|\.gitkeep"  # what an activation folder may hold
+OWNED = r"activation_\d+\.pt|powerinfer_stats\.json|report\.png|\.gitkeep"  # what an activation folder may hold
 MAX_LAYERS = 4096
 MAX_N_FF = 1 << 22
 

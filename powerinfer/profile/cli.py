@@ -1,7 +1,8 @@
 """``pi-profile``: count FFN neuron activations of a ReLU-family model over calibration text.
 
 Writes ``OUT/activation_{i}.pt`` (int64 ``[n_ff]`` per layer, FORMATS.md section 2) and
-``OUT/powerinfer_stats.json``, then prints a per-layer table. See
+``OUT/powerinfer_stats.json``, then prints a per-layer table and draws ``OUT/report.png``
+(:mod:`powerinfer.report`; skipped with one line when matplotlib is not installed). See
 :mod:`powerinfer.profile.collect` for what is counted.
 """
 from __future__ import annotations
@@ -37,7 +38,7 @@ def profile_table(stats: dict[str, Any]) -> str:
     """The per-layer summary ``pi-profile`` prints (from :func:`activation_stats`)."""
     rows = [(l["layer"], l["sparsity"], l["top10_coverage"], l["top20_coverage"], l["dead_neurons"],
              l["powerlaw_slope"]) for l in stats["layers"]]
-    return format_table(("layer", "sparsity", "top10%", "top20%", "dead", "zipf_slope"), rows)
+    return format_table(("layer", "sparsity", "top10%", "top20%", "dead", "powerlaw_slope"), rows)
 
 
 @click.command(context_settings=dict(help_option_names=["-h", "--help"]))
@@ -59,7 +60,9 @@ def main(model_dir: Path, data: str, out_dir: Path, max_tokens: int, seq_len: in
     """Profile MODEL_DIR (a Hugging Face model folder with a ReLU-family FFN).
 
     Counts, per layer, how many calibration tokens activate each FFN neuron, and writes
-    the counts PowerInfer's neuron placement reads. The model is streamed from its
+    the counts PowerInfer's neuron placement reads, with OUT/report.png, the power-law
+    picture `pi-report` redraws (needs matplotlib: pip install 'powerinfer[report]';
+    without it the picture is skipped with one line). The model is streamed from its
     checkpoint one decoder layer at a time; run it under `torchrun --nproc-per-node N`
     to share the text between processes.
     """
@@ -77,6 +80,11 @@ def main(model_dir: Path, data: str, out_dir: Path, max_tokens: int, seq_len: in
     click.echo(profile_table(stats))
     click.echo(f"{stats['n_tokens']} tokens, mean sparsity {stats['mean_sparsity']:.3f}, "
                f"{stats['seconds']:.2f} s -> {out_dir}")
+    from ..report.plot import MISSING_MATPLOTLIB, write_folder_report
+
+    png = write_folder_report(out_dir)
+    click.echo(f"power-law report -> {png} (redraw with pi-report)" if png is not None else MISSING_MATPLOTLIB,
+               err=True)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -31,7 +31,7 @@ from ..errors import PowerInferError
 from ..calibrate.hooks import ActiveNeuronHooks, require_sparse, torch_threads
 from ..families import Activation, Family, model_layers
 
-__all__ = ["ActiveNeuronHooks", "forward_layers", "count_active_neurons", "activation_stats",
+__all__ = ["ActiveNeuronHooks", "forward_layers", "count_active_neurons", "activation_stats", "powerlaw_fit",
            "require_sparse", "torch_threads", "profile_model_dir"]
 
 
@@ -89,16 +89,22 @@ def count_active_neurons(model: torch.nn.Module, family: Family, act: Activation
     return [c.cpu() for c in counts], n_tokens  # type: ignore[union-attr]
 
 
-def _powerlaw_fit(counts: np.ndarray) -> tuple[float | None, float | None]:
-    """Least-squares slope and R^2 of log(count) vs log(rank) over the active neurons."""
+def powerlaw_fit(counts: np.ndarray) -> tuple[float | None, float | None, float | None]:
+    """Least-squares line through ``log(count)`` against ``log(rank)`` over the active neurons.
+
+    ``counts``: 1-D activation counts (any scale: frequencies give the same slope).
+    Returns ``(slope, intercept, r2)``, natural logs, rank 1 = the hottest neuron;
+    ``count ~ exp(intercept) * rank ** slope``. Equal counts give slope 0, R^2 1; fewer
+    than 2 active neurons give ``(None, None, None)``.
+    """
     c = np.sort(counts[counts > 0])[::-1].astype(np.float64)
     if c.size < 2 or c[0] == c[-1]:
-        return (0.0, 1.0) if c.size >= 2 else (None, None)
+        return (0.0, float(np.log(c[0])), 1.0) if c.size >= 2 else (None, None, None)
     x, y = np.log(np.arange(1, c.size + 1)), np.log(c)
     slope, intercept = np.polyfit(x, y, 1)
     resid = y - (slope * x + intercept)
     r2 = 1.0 - float(resid @ resid) / float(((y - y.mean()) ** 2).sum())
-    return float(slope), r2
+    return float(slope), float(intercept), r2
 
 
 def activation_stats(counts: Sequence[torch.Tensor], n_tokens: int) -> dict[str, Any]:
@@ -125,7 +131,7 @@ def activation_stats(counts: Sequence[torch.Tensor], n_tokens: int) -> dict[str,
         for pct in (10, 20):
             k = max(1, math.ceil(n_ff * pct / 100))
             cover[pct] = float(desc[:k].sum() / total) if total > 0 else 0.0
-        slope, r2 = _powerlaw_fit(a)
+        slope, _, r2 = powerlaw_fit(a)
         layers.append(dict(layer=i, n_ff=n_ff, active_share=share, sparsity=1.0 - share,
                            top10_coverage=cover[10], top20_coverage=cover[20],
                            dead_neurons=int((a == 0).sum()), powerlaw_slope=slope, powerlaw_r2=r2))

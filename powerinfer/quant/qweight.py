@@ -6,7 +6,7 @@ the GGUF memory map, so a quantized model is resident at its file size. The runt
 kernels (``powerinfer.runtime.kernels``) compute on it directly; :meth:`dequantize`
 is the reference (``gguf``'s numpy dequantizers) for tests and the torch backend.
 
-``layout`` is ``rows`` (the file's row-major blocks) or ``x8``: a Q4_0 matrix re-laid out
+``layout`` is ``rows`` (the file's row-major blocks) or ``x8``: a Q4_0/Q8_0 matrix re-laid out
 in groups of 8 rows for dense products (:meth:`QWeight.to_x8`; same size, see
 ``qkernels.c``), which cannot be sliced by row.
 
@@ -35,7 +35,7 @@ class QWeight:
     n_rows: int  # N
     n_cols: int  # K (values per row)
     transposed: bool = False
-    layout: str = "rows"  # or "x8" (Q4_0 only, n_rows a multiple of 8)
+    layout: str = "rows"  # or "x8" (Q4_0/Q8_0, n_rows a multiple of 8)
 
     def __post_init__(self):
         if self.raw.dtype != torch.uint8 or tuple(self.raw.shape) != (self.n_rows, self.btype.row_bytes(self.n_cols)):
@@ -80,27 +80,30 @@ class QWeight:
     # ------------------------------------------------------------ rows
     # ------------------------------------------------------------ 8-row groups
     def can_x8(self) -> bool:
-        return self.btype.name == "Q4_0" and self.layout == "rows" and self.n_rows % 8 == 0 and not self.transposed
+        return (self.btype.name in ("Q4_0", "Q8_0") and self.layout == "rows" and self.n_rows % 8 == 0
+                and not self.transposed)
 
     def to_x8(self, out: torch.Tensor | None = None) -> "QWeight":
-        """This Q4_0 matrix in the ``x8`` layout (into ``out``, uint8 of the same shape, if given).
+        """This Q4_0/Q8_0 matrix in the ``x8`` layout (into ``out``, uint8 of the same shape, if given).
 
-        Group ``g`` of 8 rows, block ``b``: 16 bytes of the 8 fp16 scales, then for ``c`` in
-        0..3 the bytes ``4c..4c+3`` of each row's 16 nibble bytes, row after row.
+        Group ``g`` of 8 rows, block ``b``: 16 bytes of the 8 fp16 scales, then for each chunk
+        ``c`` (4 for Q4_0's 16 nibble bytes, 8 for Q8_0's 32 bytes) the bytes ``4c..4c+3`` of
+        each row, row after row.
         """
         if not self.can_x8():
-            raise ValueError(f"{self!r}: only untransposed Q4_0 rows, a multiple of 8 of them, go to x8")
-        G, nb = self.n_rows // 8, self.n_cols // 32
+            raise ValueError(f"{self!r}: only untransposed Q4_0/Q8_0 rows, a multiple of 8 of them, go to x8")
+        G, nb, bb = self.n_rows // 8, self.n_cols // 32, self.btype.nbytes
+        nc = (bb - 2) // 4
         out = torch.empty_like(self.raw) if out is None else out
         src, dst = self.raw.numpy(), out.numpy()
         step = max(1, (1 << 24) // max(1, 8 * src.shape[1]))  # ~16 MB of rows per chunk
         for g0 in range(0, G, step):
             g1 = min(G, g0 + step)
-            blk = src[8 * g0:8 * g1].reshape(g1 - g0, 8, nb, 18)
-            part = dst[8 * g0:8 * g1].reshape(g1 - g0, nb, 144)
+            blk = src[8 * g0:8 * g1].reshape(g1 - g0, 8, nb, bb)
+            part = dst[8 * g0:8 * g1].reshape(g1 - g0, nb, 8 * bb)
             part[..., :16] = blk[..., :2].transpose(0, 2, 1, 3).reshape(g1 - g0, nb, 16)
-            part[..., 16:] = blk[..., 2:].reshape(g1 - g0, 8, nb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(
-                g1 - g0, nb, 128)
+            part[..., 16:] = blk[..., 2:].reshape(g1 - g0, 8, nb, nc, 4).transpose(0, 2, 3, 1, 4).reshape(
+                g1 - g0, nb, 8 * (bb - 2))
         return QWeight(out, self.btype, self.n_rows, self.n_cols, layout="x8")
 
     def _rows_raw(self) -> np.ndarray:
@@ -108,11 +111,12 @@ class QWeight:
         raw = self.raw.numpy()
         if self.layout == "rows":
             return raw
-        G, nb = self.n_rows // 8, self.n_cols // 32
-        blk = raw.reshape(G, nb, 144)
-        out = np.empty((G, 8, nb, 18), np.uint8)
+        G, nb, bb = self.n_rows // 8, self.n_cols // 32, self.btype.nbytes
+        nc = (bb - 2) // 4
+        blk = raw.reshape(G, nb, 8 * bb)
+        out = np.empty((G, 8, nb, bb), np.uint8)
         out[..., :2] = blk[..., :16].reshape(G, nb, 8, 2).transpose(0, 2, 1, 3)
-        out[..., 2:] = blk[..., 16:].reshape(G, nb, 4, 8, 4).transpose(0, 3, 1, 2, 4).reshape(G, 8, nb, 16)
+        out[..., 2:] = blk[..., 16:].reshape(G, nb, nc, 8, 4).transpose(0, 3, 1, 2, 4).reshape(G, 8, nb, bb - 2)
         return out.reshape(self.n_rows, -1)
 
     def index_select(self, dim: int, ids: torch.Tensor) -> "QWeight":

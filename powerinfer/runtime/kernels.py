@@ -110,7 +110,9 @@ def _build(native: bool = True) -> ctypes.CDLL:
     lib.pi_q_axpy_rows.argtypes = [C, P, P, P, I, I, P]
     lib.pi_q_dequant_rows.argtypes = [C, P, P, I, I, P]
     lib.pi_q4x8_gemm.argtypes = [P, I, I, P, I, P]
-    for f in (lib.pi_q_gemm, lib.pi_q_dot_rows, lib.pi_q_axpy_rows, lib.pi_q_dequant_rows, lib.pi_q4x8_gemm):
+    lib.pi_q8x8_gemm.argtypes = [P, I, I, P, I, P]
+    for f in (lib.pi_q_gemm, lib.pi_q_dot_rows, lib.pi_q_axpy_rows, lib.pi_q_dequant_rows, lib.pi_q4x8_gemm,
+              lib.pi_q8x8_gemm):
         f.restype = None
     return lib
 
@@ -154,7 +156,7 @@ def _q_c_ok(w: QWeight) -> bool:
 
 
 def for_dense_products(w, alloc=None):
-    """``w`` laid out for dense products when that is faster: an untransposed Q4_0 QWeight
+    """``w`` laid out for dense products when that is faster: an untransposed Q4_0/Q8_0 QWeight
     with a multiple of 8 rows goes to the ``x8`` layout (C backend only; ``alloc(shape,
     dtype)`` gives its memory); anything else is returned as it is."""
     if isinstance(w, QWeight) and w.can_x8() and backend() == "c":
@@ -212,7 +214,8 @@ def _q_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     xf = x.float().contiguous()
     if w.layout == "x8" and backend() == "c":  # every T: the 8-row kernel also tiles 4 tokens
         y = torch.empty(T, N, dtype=torch.float32)
-        _state["lib"].pi_q4x8_gemm(w.raw.data_ptr(), N, K, xf.data_ptr(), T, y.data_ptr())
+        fn = _state["lib"].pi_q4x8_gemm if w.btype.name == "Q4_0" else _state["lib"].pi_q8x8_gemm
+        fn(w.raw.data_ptr(), N, K, xf.data_ptr(), T, y.data_ptr())
         return y
     if T <= QGEMM_MAX_T and _q_c_ok(w):
         y = torch.empty(T, N, dtype=torch.float32)

@@ -634,6 +634,81 @@ void pi_q4x8_gemm(const void *W, int64_t N, int64_t K, const float *x, int64_t T
     free(sbuf);
 }
 
+/* ------------------------------------------------------------------ Q8_0 in 8-row groups
+ * "Q8_0x8": for group g and block b, 272 bytes at (g * nb + b) * 272 hold the 8 rows' fp16
+ * scales, then 8 chunks of 32 bytes; chunk c holds bytes 4c..4c+3 of each row's 32 values
+ * (row i at offset 4i). Signed x signed bytes use the sign trick (|x| times w with x's sign)
+ * per chunk; each chunk's int16 pairs go to int32 at once (two chunks could overflow). */
+static void q8x8_range(const uint8_t *W, int64_t nb, int64_t N, const int8_t *xq, const float *xd,
+                       int64_t K, int64_t T, float *y, int64_t g0, int64_t g1) {
+    for (int64_t t0 = 0; t0 < T; t0 += 4) {
+        const int rn = T - t0 >= 4 ? 4 : (int)(T - t0);
+        for (int64_t g = g0; g < g1; g++) {
+            const uint8_t *base = W + g * nb * 272;
+#ifdef PI_AVX2
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            const __m256i ones = _mm256_set1_epi16(1);
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = base + b * 272;
+                const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+                for (int j = 0; j < rn; j++) {
+                    const int8_t *xb = xq + (t0 + j) * K + b * QK;
+                    int32_t w4[8];
+                    memcpy(w4, xb, 32);
+                    __m256i s32 = _mm256_setzero_si256();
+                    for (int c = 0; c < 8; c++) {
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+                        const __m256i xv = _mm256_set1_epi32(w4[c]);
+                        const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(v, xv));
+                        s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(p, ones));
+                    }
+                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32),
+                                             _mm256_mul_ps(dw, _mm256_set1_ps(xd[(t0 + j) * nb + b])), acc[j]);
+                }
+            }
+            for (int j = 0; j < rn; j++) {
+                float o[8];
+                _mm256_storeu_ps(o, acc[j]);
+                for (int i = 0; i < 8; i++) y[(t0 + j) * N + 8 * g + i] = o[i];
+            }
+#else
+            float acc[4][8] = {{0}};
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = base + b * 272;
+                for (int j = 0; j < rn; j++) {
+                    const int8_t *xb = xq + (t0 + j) * K + b * QK;
+                    for (int i = 0; i < 8; i++) {
+                        int32_t sdot = 0;
+                        for (int c = 0; c < 8; c++)
+                            for (int e = 0; e < 4; e++) sdot += (int8_t)blk[16 + 32 * c + 4 * i + e] * xb[4 * c + e];
+                        acc[j][i] += (float)sdot * (h2f(rd16(blk + 2 * i)) * xd[(t0 + j) * nb + b]);
+                    }
+                }
+            }
+            for (int j = 0; j < rn; j++)
+                for (int i = 0; i < 8; i++) y[(t0 + j) * N + 8 * g + i] = acc[j][i];
+#endif
+        }
+    }
+}
+
+/* y [T, N] = x [T, K] @ W.T for a Q8_0x8 matrix W (N a multiple of 8). */
+void pi_q8x8_gemm(const void *W, int64_t N, int64_t K, const float *x, int64_t T, float *y) {
+    const int64_t nb = K / QK, G = N / 8;
+    int8_t *qbuf = malloc((size_t)(T * K));
+    float *dbuf = malloc((size_t)(T * nb) * sizeof(float));
+    prepare(QT_Q8_0, x, T, K, qbuf, dbuf);
+    const int par = G * nb * 272 >= PAR_MIN_BYTES && omp_get_max_threads() > 1;
+    #pragma omp parallel if (par)
+    {
+        int64_t g0, g1;
+        split(G, omp_get_num_threads(), omp_get_thread_num(), &g0, &g1);
+        q8x8_range((const uint8_t *)W, nb, N, qbuf, dbuf, K, T, y, g0, g1);
+    }
+    free(qbuf);
+    free(dbuf);
+}
+
 /* out[r] = W[idx ? idx[r] : r] as f32 rows [n, K] (embedding lookups, tile dequantization). */
 void pi_q_dequant_rows(int qt, const void *W, const int64_t *idx, int64_t n, int64_t K, float *out) {
     const int64_t rb = row_bytes(qt, K);
