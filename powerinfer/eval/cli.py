@@ -153,8 +153,8 @@ def main(model_path, text_path, ctx_size, n_chunks, n_batch, threads, dtype, den
     sparse_file = open_gguf(model_path).sparse
     if (oracle or compare) and not sparse_file:
         flag = "--oracle" if oracle else "--compare"
-        raise PowerInferError(f"{model_path}: a dense GGUF has no predictors, so {flag} has nothing to compare; "
-                              "use a PowerInfer GGUF (PWRI, pi-convert MODEL PRED_DIR) or drop the flag")
+        raise PowerInferError(f"{model_path}: a dense GGUF (no predictors): {flag} needs a PowerInfer GGUF "
+                              "(PWRI, from pi-convert MODEL PRED_DIR); without the flag it is evaluated dense")
     s = Setup(model_path, text, ctx_size or None, n_chunks, n_batch, threads, dtype)
     if not compare:
         mode = "oracle" if oracle else "dense" if (dense or not sparse_file) else "predictor"
