@@ -231,13 +231,16 @@ def test_every_family_oracle_equals_dense(family, tmp_path, text):
     assert oracle.active_share < 0.8
 
 
-@pytest.mark.xfail(strict=False, reason="runtime: Q4_0/Q8_0 products of up to 4 tokens quantize the activations to "
-                   "q8 (ggml's way), longer batches multiply f32 activations by dequantized rows; measured on the "
-                   "demo model: q8_0 PPL 7.8276 batched vs 7.8506 token by token (+0.29%, dense, 3 chunks of 512)")
 def test_quantized_batched_equals_token_by_token(demo_pwri, chunks, tmp_path):
     from powerinfer.convert.quantize import quantize_file
 
     q = tmp_path / "q8_0.powerinfer.gguf"
     quantize_file(demo_pwri, q, "q8_0")
     model = Transformer(open_gguf(q), dense=True, n_ctx=N_CTX)
-    assert perplexity(model, chunks[1:2], n_batch=1).ppl == pytest.approx(perplexity(model, chunks[1:2]).ppl, rel=1e-4)
+    # Every Q8_0 product rounds its activation to 8 bits, in prompts and in decoding alike
+    # (kernels.q8_round_trip), so the two agree until an fp32 difference of ~1e-7 between
+    # batched and one-query attention lands on a rounding boundary and flips one 8-bit
+    # value; over a 256-token chunk a few do (measured 6.8e-4 relative on this chunk;
+    # 3.8e-6 max logit difference over the first 100 tokens, before any flip).
+    batched, one_by_one = perplexity(model, chunks[1:2]).ppl, perplexity(model, chunks[1:2], n_batch=1).ppl
+    assert one_by_one == pytest.approx(batched, rel=2e-3)

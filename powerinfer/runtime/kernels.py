@@ -14,7 +14,8 @@ f16 bytes kept in the file's memory map) and computes on it in place with
 ``qkernels.c``: Q4_0/Q8_0 products quantize the activation to 8-bit blocks once per
 product (as ggml does), the other types convert block by block to fp32. Prompts of
 more than :data:`QGEMM_MAX_T` tokens dequantize :data:`TILE_ROWS` rows at a time to fp32
-and use torch matmuls (compute-bound there); :func:`matmul` does ``hidden @ down_t``
+and use torch matmuls (compute-bound there) on the activation rounded as the kernels round
+it, so prompt and decode give the same numbers; :func:`matmul` does ``hidden @ down_t``
 that way, :func:`embed` looks up token rows.
 
 Two backends:
@@ -56,7 +57,7 @@ SOURCE = Path(__file__).with_name("kernels.c")
 QSOURCE = Path(__file__).with_name("qkernels.c")
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 _QT = {"F16": 2, "Q4_0": 10, "Q8_0": 11, "Q4_K": 12, "Q6_K": 13}  # qkernels.c type codes
-QGEMM_MAX_T = 4  # up to this many tokens a quantized product runs in the C kernel, above it tiles + torch
+QGEMM_MAX_T = 64  # up to this many tokens a row-layout product runs in the C kernel, above it tiles + torch
 TILE_ROWS = 512  # rows dequantized at a time for prompt products
 PREFETCH_ROWS = 1  # rows ahead to prefetch in gathers (1 measured best for 8 KB rows)
 _state: dict = {"backend": None, "lib": None, "error": None}
@@ -221,11 +222,22 @@ def _q_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
         y = torch.empty(T, N, dtype=torch.float32)
         _state["lib"].pi_q_gemm(_QT[w.btype.name], w.raw.data_ptr(), N, K, xf.data_ptr(), T, y.data_ptr())
         return y
+    if w.btype.name in ("Q4_0", "Q8_0"):  # the activation rounded as the kernels round it, so
+        xf = q8_round_trip(xf)  # a prompt gives the numbers token-by-token decoding gives
     y = torch.empty(T, N, dtype=torch.float32)
     for r0 in range(0, N, TILE_ROWS):
         r1 = min(N, r0 + TILE_ROWS)
         torch.matmul(xf, dequant_rows(w, r0, r1).T, out=y[:, r0:r1])
     return y
+
+
+def q8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` ``[..., K]`` (``K`` a multiple of 32) as Q4_0/Q8_0 products see it: 8-bit
+    blocks of 32, scale ``amax / 127`` in fp32, values rounded to nearest even."""
+    b = x.reshape(-1, 32)
+    d = b.abs().amax(1, keepdim=True) / 127
+    q = torch.round(b * torch.where(d != 0, 1 / d, torch.zeros_like(d)))
+    return (q * d).reshape(x.shape)
 
 
 def matmul(h: torch.Tensor, w: QWeight) -> torch.Tensor:
@@ -272,7 +284,7 @@ def rows_dot(x: torch.Tensor, idx: torch.Tensor, a, b=None,
                                         idx.data_ptr(), k, a.n_cols, xf.data_ptr(), ra.data_ptr(), _ptr(rb),
                                         float("-inf") if gmin is None else gmin)
             return ra, rb
-        xf = x.float()
+        xf = q8_round_trip(x.float()) if a.btype.name in ("Q4_0", "Q8_0") else x.float()
         return a.dequantize(rows=idx) @ xf, None if b is None else b.dequantize(rows=idx) @ xf
     if _c_ok(a, b) and (b is None or b.dtype == a.dtype):
         xw = x.to(a.dtype).contiguous()
