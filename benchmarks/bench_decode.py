@@ -88,9 +88,9 @@ class Engine:
 class PiEngine(Engine):
     """Our runtime on a GGUF (sparse for PWRI files unless ``dense``)."""
 
-    def __init__(self, name: str, path: Path, dtype: str, dense: bool = False):
+    def __init__(self, name: str, path: Path, dtype: str, dense: bool = False, n_ctx: int = 1024):
         super().__init__(name)
-        self.model = Transformer(open_gguf(path), compute_dtype(dtype), dense=dense, n_ctx=1024)
+        self.model = Transformer(open_gguf(path), compute_dtype(dtype), dense=dense, n_ctx=n_ctx)
         self.bytes_per_token = decode_bytes_per_token(self.model, None if self.model.dense else 0.1)
 
     def run(self, ids, n):
@@ -146,12 +146,12 @@ class HFEngine(Engine):
 class LlamaCppEngine(Engine):
     """llama.cpp through llama-cpp-python on the dense GGUF; greedy argmax on its logits."""
 
-    def __init__(self, name: str, path: Path):
+    def __init__(self, name: str, path: Path, n_ctx: int = 1024):
         super().__init__(name)
         import llama_cpp
 
         self.lib = llama_cpp
-        self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=1024, n_batch=512, n_threads=1,
+        self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_threads=1,
                                    n_threads_batch=1, verbose=False)
         g = open_gguf(path)
         self.bytes_per_token = sum(int(t.n_bytes) for t in g.reader.tensors if t.name != "token_embd.weight")
@@ -305,13 +305,14 @@ def _rss_kb(key: str = "VmRSS") -> int:
 
 
 def probe(kind: str, path: str, threads: int) -> None:
-    """(Child process.) Load one engine, decode 16 tokens, print its resident memory as JSON."""
+    """(Child process.) Load one engine (context 256), decode 16 tokens, print its resident
+    memory growth as JSON (the KV cache included: 256 positions)."""
     torch.set_num_threads(threads)
     base = _rss_kb()
     if kind == "llama.cpp":
-        e: Engine = LlamaCppEngine(kind, Path(path))
+        e: Engine = LlamaCppEngine(kind, Path(path), n_ctx=256)
     else:
-        e = PiEngine(kind, Path(path), "auto", dense=kind == "dense")
+        e = PiEngine(kind, Path(path), "auto", dense=kind == "dense", n_ctx=256)
     tok = GGUFTokenizer(open_gguf(path))
     e.run(tok.encode(PROMPT)[:32], 16)
     print(json.dumps({"rss_mb": (_rss_kb() - base) / 1024, "hwm_mb": (_rss_kb("VmHWM") - base) / 1024}))
@@ -414,7 +415,8 @@ def main(argv: list[str] | None = None) -> None:
     for e in engines:
         e.close()
     if a.rss:
-        print("resident memory, each engine alone in a fresh process (RSS growth over the bare interpreter):")
+        print("resident memory, each engine alone in a fresh process, context 256 (RSS growth over the "
+          "interpreter with torch loaded; KV cache included):")
         print(resident(probes), flush=True)
 
 
