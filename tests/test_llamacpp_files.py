@@ -63,7 +63,7 @@ def test_llamacpp_quantized_files_run_in_place_and_match_llamacpp(files, name, t
     # This random model amplifies rounding: 4-bit weights move its logits by 9-14 (spread
     # 3.2). On the same quantized bytes pi-run and llama.cpp stay within ~1 of each other
     # (measured 0.96 for Q4_0, 1.15 for Q4_K_M): they round activations differently (q8_0
-    # blocks with fp16 scales / q8_K there; q8_0 with fp32 scales / fp32 for K-quants here).
+    # blocks with fp16 scales / q8_K blocks of 256 there; q8_0 blocks of 32, fp32 scales here).
     gap = (ours - ref).abs().max().item()
     assert gap <= 0.2 * (ref - f32).abs().max().item()
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.8
@@ -79,8 +79,10 @@ def test_torch_backend_reads_the_same_files(files):
         kernels.set_backend("auto")
     kernels.set_backend("c")
     fast = teacher_forced(Transformer(open_gguf(files["q4_k_m"])), IDS, 4)
-    # K-quant kernels convert blocks exactly and keep the activation in fp32: same maths
-    assert (ours - fast).abs().max().item() <= 1e-3 * fast.std().item()
+    # the C kernels round activations to 8-bit blocks, the dequantized torch path does not;
+    # both stay as close to llama.cpp as to each other
+    ref = llamacpp_logits(files["q4_k_m"])
+    assert (ours - fast).abs().max().item() <= 2 * max((ref - fast).abs().max().item(), (ref - ours).abs().max().item())
 
 
 def test_f32_file_matches_llamacpp(files):

@@ -1,7 +1,7 @@
 """Quantized kernels against plain torch on the dequantized weights (``gguf``'s reference
 dequantizers), on the native (AVX2 where present) and the portable scalar build.
 
-Q4_0/Q8_0 products quantize the activation to 8-bit blocks as ggml does, so the reference
+Block-quantized products quantize the activation to 8-bit blocks as ggml does, so the reference
 does the same in torch (round half to even, scale amax/127 kept in fp32) and then sums
 exactly in float64: the kernels must agree to float32 summation error. Conversions
 (dequantized rows, embedding lookups, K-quant blocks) must agree bit for bit.
@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as QT, quants
 from powerinfer.quant.qweight import MAPPED_TYPES, QWeight
 from powerinfer.runtime import kernels
 
-Q8_ACT = ("Q4_0", "Q8_0")  # types whose products quantize the activation
+Q8_ACT = ("Q4_0", "Q8_0", "Q4_K", "Q6_K")  # types whose products quantize the activation
 
 
 @pytest.fixture(params=["native", "scalar"])
@@ -41,7 +41,7 @@ def make(name: str, n: int, k: int, seed: int = 0) -> QWeight:
     rng = np.random.default_rng(seed)
     if name == "F16":
         raw = rng.standard_normal((n, k)).astype(np.float16).view(np.uint8)
-    elif name in Q8_ACT:
+    elif name in ("Q4_0", "Q8_0"):
         raw = quants.quantize(rng.standard_normal((n, k)).astype(np.float32), QT[name])
     else:
         raw = rng.integers(0, 256, size=(n, bt.row_bytes(k)), dtype=np.uint8)

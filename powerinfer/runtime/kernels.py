@@ -11,8 +11,8 @@ speed limit is the bytes of weights read per token. Three operations cover it:
 
 Each op also takes a :class:`powerinfer.quant.qweight.QWeight` (Q4_0, Q8_0, Q4_K, Q6_K or
 f16 bytes kept in the file's memory map) and computes on it in place with
-``qkernels.c``: Q4_0/Q8_0 products quantize the activation to 8-bit blocks once per
-product (as ggml does), the other types convert block by block to fp32. Prompts of
+``qkernels.c``: block-quantized products quantize the activation to 8-bit blocks once per
+product (as ggml does) and sum integers per block; f16 rows convert to fp32. Prompts of
 more than :data:`QGEMM_MAX_T` tokens dequantize :data:`TILE_ROWS` rows at a time to fp32
 and use torch matmuls (compute-bound there) on the activation rounded as the kernels round
 it, so prompt and decode give the same numbers; :func:`matmul` does ``hidden @ down_t``
@@ -59,6 +59,7 @@ _DT = {torch.float32: 0, torch.bfloat16: 1}
 _QT = {"F16": 2, "Q4_0": 10, "Q8_0": 11, "Q4_K": 12, "Q6_K": 13}  # qkernels.c type codes
 QGEMM_MAX_T = 64  # up to this many tokens a row-layout product runs in the C kernel, above it tiles + torch
 TILE_ROWS = 512  # rows dequantized at a time for prompt products
+Q8_ACT = ("Q4_0", "Q8_0", "Q4_K", "Q6_K")  # types whose products round the activation to 8-bit blocks
 PREFETCH_ROWS = 1  # rows ahead to prefetch in gathers (1 measured best for 8 KB rows)
 _state: dict = {"backend": None, "lib": None, "error": None}
 
@@ -222,7 +223,7 @@ def _q_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
         y = torch.empty(T, N, dtype=torch.float32)
         _state["lib"].pi_q_gemm(_QT[w.btype.name], w.raw.data_ptr(), N, K, xf.data_ptr(), T, y.data_ptr())
         return y
-    if w.btype.name in ("Q4_0", "Q8_0"):  # the activation rounded as the kernels round it, so
+    if w.btype.name in Q8_ACT:  # the activation rounded as the kernels round it, so
         xf = q8_round_trip(xf)  # a prompt gives the numbers token-by-token decoding gives
     y = torch.empty(T, N, dtype=torch.float32)
     for r0 in range(0, N, TILE_ROWS):
@@ -284,7 +285,7 @@ def rows_dot(x: torch.Tensor, idx: torch.Tensor, a, b=None,
                                         idx.data_ptr(), k, a.n_cols, xf.data_ptr(), ra.data_ptr(), _ptr(rb),
                                         float("-inf") if gmin is None else gmin)
             return ra, rb
-        xf = q8_round_trip(x.float()) if a.btype.name in ("Q4_0", "Q8_0") else x.float()
+        xf = q8_round_trip(x.float()) if a.btype.name in Q8_ACT else x.float()
         return a.dequantize(rows=idx) @ xf, None if b is None else b.dequantize(rows=idx) @ xf
     if _c_ok(a, b) and (b is None or b.dtype == a.dtype):
         xw = x.to(a.dtype).contiguous()

@@ -8,12 +8,11 @@
  *   QT_Q4_K 12  256 values in 144 bytes (ggml's block_q4_K)
  *   QT_Q6_K 13  256 values in 210 bytes (ggml's block_q6_K)
  *
- * Q4_0 and Q8_0 products follow ggml: the activation vector is quantized once per product
- * to 8-bit blocks of 32 (scale amax/127, round to nearest even; the scale kept in fp32),
- * each block product is an exact integer sum scaled by d_w * d_x, and block results are
- * summed in fp32. F16, Q4_K and Q6_K rows are converted to fp32 block by block and dotted
- * with the fp32 activation (exact conversion, so results equal an fp32 product of the
- * dequantized row up to summation order).
+ * Q4_0, Q8_0, Q4_K and Q6_K products follow ggml: the activation vector is quantized once
+ * per product to 8-bit blocks of 32 (scale amax/127, round to nearest even; the scale kept
+ * in fp32; K-quants also take the sums of each 16 values), each block or sub-block product
+ * is an exact integer sum scaled by the block scales, and block results are summed in fp32.
+ * F16 rows are converted to fp32 and dotted with the fp32 activation.
  *
  * Sparse FFN rows: pi_q_dot_rows computes the gate row of each active neuron first and
  * reads its up row only when the gate passes `gmin` (a ReLU-family neuron whose gate does
@@ -68,7 +67,10 @@ static int64_t block_bytes(int qt) {
     return 0;
 }
 static inline int64_t row_bytes(int qt, int64_t K) { return K / block_values(qt) * block_bytes(qt); }
-static inline int uses_q8(int qt) { return qt == QT_Q4_0 || qt == QT_Q8_0; }
+static inline int is_q0(int qt) { return qt == QT_Q4_0 || qt == QT_Q8_0; }
+static inline int is_k(int qt) { return qt == QT_Q4_K || qt == QT_Q6_K; }
+/* types whose products quantize the activation to q8 blocks (K-quants also need its 16-sums) */
+static inline int uses_q8(int qt) { return is_q0(qt) || is_k(qt); }
 
 #ifdef PI_AVX2
 static inline float hsum8(__m256 v) {
@@ -264,22 +266,106 @@ typedef struct {
     const float *x;
     const int8_t *xq;
     const float *xd;
+    const int32_t *xs;  /* sums of xq over each 16 values (K-quants) */
 } act_t;
+
+/* Q4_K row . q8 activation: sub-block k of 32 values (scale s_k, min m_k, 4-bit q) meets
+ * q8 block k of the activation: d s_k dx sum(q qx) - dmin m_k dx sum(qx), integer sums exact. */
+static inline float dot_q4_K(const uint8_t *row, act_t a, int64_t nsb) {
+    float acc = 0.f, mins = 0.f;
+#ifdef PI_AVX2
+    __m256 vacc = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+#endif
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = row + sb * 144, *sc = blk + 4, *qs = blk + 16;
+        const float d = h2f(rd16(blk)), dmin = h2f(rd16(blk + 2));
+        for (int j = 0; j < 4; j++) {
+            for (int h = 0; h < 2; h++) {
+                const int k = 2 * j + h;
+                const int64_t qb = sb * 8 + k;  /* the activation's q8 block */
+                uint8_t s, m;
+                get_scale_min_k4(k, sc, &s, &m);
+                mins += dmin * m * a.xd[qb] * (float)(a.xs[2 * qb] + a.xs[2 * qb + 1]);
+#ifdef PI_AVX2
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+                const __m256i q = h ? _mm256_and_si256(_mm256_srli_epi16(v, 4), m4) : _mm256_and_si256(v, m4);
+                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(a.xq + qb * QK))), ones);
+                vacc = _mm256_fmadd_ps(_mm256_set1_ps(d * s * a.xd[qb]), _mm256_cvtepi32_ps(p), vacc);
+#else
+                int32_t t = 0;
+                for (int l = 0; l < 32; l++) t += (h ? qs[32 * j + l] >> 4 : qs[32 * j + l] & 15) * a.xq[qb * QK + l];
+                acc += d * s * a.xd[qb] * (float)t;
+#endif
+            }
+        }
+    }
+#ifdef PI_AVX2
+    acc += hsum8(vacc);
+#endif
+    return acc - mins;
+}
+
+/* Q6_K row . q8 activation: 6-bit q (0..63, offset 32) with an int8 scale per 16 values:
+ * d dx (sum over 16-groups of s_g (sum(q qx) - 32 sum(qx))). */
+static inline float dot_q6_K(const uint8_t *row, act_t a, int64_t nsb) {
+    float acc = 0.f;
+#ifdef PI_AVX2
+    __m256 vacc = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x03);
+#endif
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = row + sb * 210;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const float d = h2f(rd16(blk + 208));
+        for (int n = 0; n < 2; n++) {
+            const uint8_t *ql = blk + 64 * n, *qh = blk + 128 + 32 * n;
+            const int8_t *s = sc + 8 * n;
+#ifdef PI_AVX2
+            const __m256i la = _mm256_loadu_si256((const __m256i *)ql), lb = _mm256_loadu_si256((const __m256i *)(ql + 32));
+            const __m256i hv = _mm256_loadu_si256((const __m256i *)qh);
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(la, m4), _mm256_slli_epi16(_mm256_and_si256(hv, m2), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(lb, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 2), m2), 4));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(la, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 4), m2), 4));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 6), m2), 4));
+#endif
+            for (int g = 0; g < 4; g++) {
+                const int64_t qb = sb * 8 + 4 * n + g;
+                const int s0 = s[2 * g], s1 = s[2 * g + 1];
+                const float ddx = d * a.xd[qb];
+                acc -= ddx * 32.f * (float)(s0 * a.xs[2 * qb] + s1 * a.xs[2 * qb + 1]);
+#ifdef PI_AVX2
+                const __m256i p16 = _mm256_maddubs_epi16(q[g], _mm256_loadu_si256((const __m256i *)(a.xq + qb * QK)));
+                const __m256i sv = _mm256_set_m128i(_mm_set1_epi16((short)s1), _mm_set1_epi16((short)s0));
+                vacc = _mm256_fmadd_ps(_mm256_set1_ps(ddx), _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, sv)), vacc);
+#else
+                int32_t t0 = 0, t1 = 0;
+                for (int l = 0; l < 32; l++) {
+                    const int hi = (qh[l] >> (2 * g)) & 3;
+                    const int lo = g == 0 ? ql[l] & 15 : g == 1 ? ql[l + 32] & 15 : g == 2 ? ql[l] >> 4 : ql[l + 32] >> 4;
+                    const int v = (lo | (hi << 4)) * a.xq[qb * QK + l];
+                    if (l < 16) t0 += v;
+                    else t1 += v;
+                }
+                acc += ddx * (float)(s0 * t0 + s1 * t1);
+#endif
+            }
+        }
+    }
+#ifdef PI_AVX2
+    acc += hsum8(vacc);
+#endif
+    return acc;
+}
 
 static inline float row_dot(int qt, const uint8_t *row, act_t a, int64_t K) {
     switch (qt) {
         case QT_Q4_0: return dot_q4_0(row, a.xq, a.xd, K / QK);
         case QT_Q8_0: return dot_q8_0(row, a.xq, a.xd, K / QK);
-        case QT_F16: return dot_f16(row, a.x, K);
-        default: {
-            float buf[QKK], acc = 0.f;
-            for (int64_t b = 0; b < K / QKK; b++) {
-                if (qt == QT_Q4_K) deq_q4_K(row + b * 144, buf);
-                else deq_q6_K(row + b * 210, buf);
-                acc += dot_f32(buf, a.x + b * QKK, QKK);
-            }
-            return acc;
-        }
+        case QT_Q4_K: return dot_q4_K(row, a, K / QKK);
+        case QT_Q6_K: return dot_q6_K(row, a, K / QKK);
+        default: return dot_f16(row, a.x, K);
     }
 }
 
@@ -294,13 +380,38 @@ static inline void split(int64_t n, int nt, int t, int64_t *r0, int64_t *r1) {
 }
 
 /* x [T, K] -> the T activations (q8 blocks in qbuf/dbuf when the type needs them) */
-static void prepare(int qt, const float *x, int64_t T, int64_t K, int8_t *qbuf, float *dbuf) {
-    if (!uses_q8(qt)) return;
-    for (int64_t t = 0; t < T; t++) quantize_q8(x + t * K, K, qbuf + t * K, dbuf + t * (K / QK));
+/* The T activations as the type's products read them: q8 blocks (+ their 16-value sums). */
+typedef struct {
+    int8_t *q;
+    float *d;
+    int32_t *s;
+} acts_t;
+
+static acts_t prepare(int qt, const float *x, int64_t T, int64_t K) {
+    acts_t a = {NULL, NULL, NULL};
+    if (!uses_q8(qt)) return a;
+    a.q = malloc((size_t)(T * K));
+    a.d = malloc((size_t)(T * (K / QK)) * sizeof(float));
+    for (int64_t t = 0; t < T; t++) quantize_q8(x + t * K, K, a.q + t * K, a.d + t * (K / QK));
+    if (is_k(qt)) {
+        a.s = malloc((size_t)(T * (K / 16)) * sizeof(int32_t));
+        for (int64_t i = 0; i < T * (K / 16); i++) {
+            int32_t v = 0;
+            for (int e = 0; e < 16; e++) v += a.q[i * 16 + e];
+            a.s[i] = v;
+        }
+    }
+    return a;
 }
 
-static inline act_t act_of(const float *x, const int8_t *qbuf, const float *dbuf, int64_t t, int64_t K) {
-    act_t a = {x + t * K, qbuf ? qbuf + t * K : NULL, dbuf ? dbuf + t * (K / QK) : NULL};
+static void release(acts_t a) {
+    free(a.q);
+    free(a.d);
+    free(a.s);
+}
+
+static inline act_t act_of(const float *x, acts_t b, int64_t t, int64_t K) {
+    act_t a = {x + t * K, b.q ? b.q + t * K : NULL, b.d ? b.d + t * (K / QK) : NULL, b.s ? b.s + t * (K / 16) : NULL};
     return a;
 }
 
@@ -344,9 +455,7 @@ static void gemm_q8_range(int qt, const uint8_t *W, int64_t rb, int64_t N, int64
  * dotted with every token while it is in cache. */
 void pi_q_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x, int64_t T, float *y) {
     const int64_t rb = row_bytes(qt, K);
-    int8_t *qbuf = uses_q8(qt) ? malloc((size_t)(T * K)) : NULL;
-    float *dbuf = uses_q8(qt) ? malloc((size_t)(T * (K / QK)) * sizeof(float)) : NULL;
-    prepare(qt, x, T, K, qbuf, dbuf);
+    const acts_t acts = prepare(qt, x, T, K);
     const int par = N * rb * (T > 1 ? 4 : 1) >= PAR_MIN_BYTES && omp_get_max_threads() > 1;
     #pragma omp parallel if (par)
     {
@@ -356,17 +465,16 @@ void pi_q_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x, int6
         r0 = omp_get_thread_num() * per < N ? omp_get_thread_num() * per : N;
         r1 = r0 + per < N ? r0 + per : N;
 #ifdef PI_AVX2
-        if (uses_q8(qt)) {
-            gemm_q8_range(qt, (const uint8_t *)W, rb, N, K, qbuf, dbuf, T, y, r0, r1);
+        if (is_q0(qt)) {
+            gemm_q8_range(qt, (const uint8_t *)W, rb, N, K, acts.q, acts.d, T, y, r0, r1);
         } else
 #endif
         for (int64_t r = r0; r < r1; r++) {
             const uint8_t *row = (const uint8_t *)W + r * rb;
-            for (int64_t t = 0; t < T; t++) y[t * N + r] = row_dot(qt, row, act_of(x, qbuf, dbuf, t, K), K);
+            for (int64_t t = 0; t < T; t++) y[t * N + r] = row_dot(qt, row, act_of(x, acts, t, K), K);
         }
     }
-    free(qbuf);
-    free(dbuf);
+    release(acts);
 }
 
 /* For r < n: y1[r] = W1[idx[r]] . x, and if W2, y2[r] = W2[idx[r]] . x when y1[r] > gmin
@@ -374,10 +482,8 @@ void pi_q_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x, int6
 void pi_q_dot_rows(int qt, const void *W1, const void *W2, const int64_t *idx, int64_t n, int64_t K,
                    const float *x, float *y1, float *y2, float gmin) {
     const int64_t rb = row_bytes(qt, K);
-    int8_t *qbuf = uses_q8(qt) ? malloc((size_t)K) : NULL;
-    float *dbuf = uses_q8(qt) ? malloc((size_t)(K / QK) * sizeof(float)) : NULL;
-    prepare(qt, x, 1, K, qbuf, dbuf);
-    const act_t a = act_of(x, qbuf, dbuf, 0, K);
+    const acts_t acts = prepare(qt, x, 1, K);
+    const act_t a = act_of(x, acts, 0, K);
     const int par = n * rb * (W2 ? 2 : 1) >= PAR_MIN_BYTES && omp_get_max_threads() > 1;
     #pragma omp parallel if (par)
     {
@@ -396,8 +502,7 @@ void pi_q_dot_rows(int qt, const void *W1, const void *W2, const int64_t *idx, i
             }
         }
     }
-    free(qbuf);
-    free(dbuf);
+    release(acts);
 }
 
 /* out[d0 .. d1) += c * W[row][d0 .. d1) for one row of type qt; d0, d1 multiples of the block */
@@ -512,7 +617,7 @@ void pi_q_axpy_rows(int qt, const void *W, const int64_t *idx, const float *coef
         const int64_t pb0 = d0 / block_values(qt) * block_bytes(qt), pbn = (d1 - d0) / block_values(qt) * block_bytes(qt);
         int64_t r = 0;
 #ifdef PI_AVX2
-        if (uses_q8(qt))
+        if (is_q0(qt))
             for (; r + 4 <= m && d0 < d1; r += 4) {
                 for (int64_t s = r + 4; s < r + 8 && s < m; s++) prefetch_row(rows[s] + pb0, pbn);
                 axpy4_q(qt, rows + r, cs + r, d0, d1, out);
@@ -613,10 +718,10 @@ static void q4x8_range(const uint8_t *W, int64_t nb, int64_t N, const int8_t *xq
 /* y [T, N] = x [T, K] @ W.T for a Q4_0x8 matrix W (N a multiple of 8). */
 void pi_q4x8_gemm(const void *W, int64_t N, int64_t K, const float *x, int64_t T, float *y) {
     const int64_t nb = K / QK, G = N / 8;
-    int8_t *qbuf = malloc((size_t)(T * K));
-    float *dbuf = malloc((size_t)(T * nb) * sizeof(float));
+    const acts_t acts = prepare(QT_Q4_0, x, T, K);
+    int8_t *qbuf = acts.q;
+    float *dbuf = acts.d;
     int32_t *sbuf = malloc((size_t)(T * nb) * sizeof(int32_t));
-    prepare(QT_Q4_0, x, T, K, qbuf, dbuf);
     for (int64_t i = 0; i < T * nb; i++) {
         int32_t s = 0;
         for (int e = 0; e < QK; e++) s += qbuf[i * QK + e];
@@ -629,8 +734,7 @@ void pi_q4x8_gemm(const void *W, int64_t N, int64_t K, const float *x, int64_t T
         split(G, omp_get_num_threads(), omp_get_thread_num(), &g0, &g1);
         q4x8_range((const uint8_t *)W, nb, N, qbuf, dbuf, sbuf, K, T, y, g0, g1);
     }
-    free(qbuf);
-    free(dbuf);
+    release(acts);
     free(sbuf);
 }
 
@@ -695,9 +799,9 @@ static void q8x8_range(const uint8_t *W, int64_t nb, int64_t N, const int8_t *xq
 /* y [T, N] = x [T, K] @ W.T for a Q8_0x8 matrix W (N a multiple of 8). */
 void pi_q8x8_gemm(const void *W, int64_t N, int64_t K, const float *x, int64_t T, float *y) {
     const int64_t nb = K / QK, G = N / 8;
-    int8_t *qbuf = malloc((size_t)(T * K));
-    float *dbuf = malloc((size_t)(T * nb) * sizeof(float));
-    prepare(QT_Q8_0, x, T, K, qbuf, dbuf);
+    const acts_t acts = prepare(QT_Q8_0, x, T, K);
+    const int8_t *qbuf = acts.q;
+    const float *dbuf = acts.d;
     const int par = G * nb * 272 >= PAR_MIN_BYTES && omp_get_max_threads() > 1;
     #pragma omp parallel if (par)
     {
@@ -705,8 +809,7 @@ void pi_q8x8_gemm(const void *W, int64_t N, int64_t K, const float *x, int64_t T
         split(G, omp_get_num_threads(), omp_get_thread_num(), &g0, &g1);
         q8x8_range((const uint8_t *)W, nb, N, qbuf, dbuf, K, T, y, g0, g1);
     }
-    free(qbuf);
-    free(dbuf);
+    release(acts);
 }
 
 /* out[r] = W[idx ? idx[r] : r] as f32 rows [n, K] (embedding lookups, tile dequantization). */
