@@ -25,6 +25,7 @@ f32 otherwise (f16 matmuls are slow on CPUs).
 """
 from __future__ import annotations
 
+import logging
 import mmap
 import warnings
 
@@ -38,6 +39,8 @@ from ..quant.qweight import MAPPED_TYPES, QWeight
 from ..quant.types import FLOAT_TYPES, check_quantized
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+log = logging.getLogger(__name__)
+_WARNED: set[str] = set()  # quantized types already reported as dequantized at load
 _PAGE = mmap.PAGESIZE
 _HUGE = 2 << 20
 _NATIVE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -182,6 +185,10 @@ def load_matrix(g: GGUFFile, name: str, dtype: torch.dtype, mapped: bool, dense_
     kind = t.tensor_type.name
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
     if not mapped or kind not in MAPPED_TYPES or len(shape) != 2:
+        if mapped and kind not in FLOAT_TYPES and kind not in _WARNED:
+            _WARNED.add(kind)
+            log.warning("%s: %s tensors (%s, ...) have no kernel here: dequantized to %s at load, which "
+                        "takes more memory than the file", g.path, kind, name, str(dtype).removeprefix("torch."))
         return load_tensor(g, name, dtype)
     bt = MAPPED_TYPES[kind]
     if kind != "F16":
