@@ -180,6 +180,30 @@ class LlamaCppEngine(Engine):
         self.llm.close()
 
 
+class UpstreamEngine(Engine):
+    """Upstream PowerInfer's ``main`` (built outside this repo; ``--upstream PATH``) on a PWRI file,
+    one process per run; decode and prompt tokens/s from its ``llama_print_timings`` lines."""
+
+    def __init__(self, name: str, binary: Path, path: Path):
+        super().__init__(name)
+        self.binary, self.path, self.threads = binary, path, 1
+        self.bytes_per_token = float("nan")  # its sparse rows read are not reported
+
+    def setup(self, threads):
+        self.threads = threads
+
+    def run(self, ids, n):
+        import re
+
+        r = subprocess.run([str(self.binary), "-m", str(self.path), "-n", str(n), "-t", str(self.threads),
+                            "--temp", "0", "--ignore-eos", "-p", PROMPT[:4 * len(ids)]],
+                           capture_output=True, text=True)
+        tps = dict(re.findall(r"(prompt eval|\beval) time.*?([\d.]+) tokens per second", r.stderr))
+        if "eval" not in tps:
+            raise RuntimeError(f"{self.binary}: no timings in its output: {r.stderr.strip()[-300:]}")
+        return Run(float(tps["eval"]), float(tps.get("prompt eval", "nan")), 0.0)
+
+
 def busy_cores(seconds: float = 1.0) -> float:
     """Cores other processes kept busy over ``seconds`` while this one slept (from /proc/stat)."""
     def sample():
@@ -227,6 +251,10 @@ def table(engines: list[Engine], threads: int) -> str:
             lines.append(f"{e.name:<22} {e.note or 'not run'}")
             continue
         bw = statistics.median(r.bw for r in rs)
+        if e.bytes_per_token != e.bytes_per_token:  # unknown bytes per token (upstream's sparse rows)
+            lines.append(f"{e.name:<22} {fmt_range([r.decode_tps for r in rs]):>20} "
+                         f"{fmt_range([r.prompt_tps for r in rs]):>22} {'-':>9} {bw:8.1f}")
+            continue
         limit = bw * 1e9 / e.bytes_per_token
         dec = statistics.median(r.decode_tps for r in rs)
         ffn = [r.ffn_share for r in rs if r.ffn_share is not None]
@@ -235,7 +263,8 @@ def table(engines: list[Engine], threads: int) -> str:
                      f"{e.bytes_per_token / 1e6:9.{0 if e.bytes_per_token >= 1e8 else 2}f} {bw:8.1f} {limit:11.1f} {100 * dec / limit:6.0f}% "
                      f"{(f'{100 * statistics.median(ffn):5.1f}%') if ffn else '     -':>6} "
                      f"{(f'{100 * statistics.median(act):7.1f}%') if act else '       -':>8}"
-                     + (f" {statistics.median(r.cpu_tps for r in rs):9.1f}" if threads == 1 else ""))
+                     + (f" {statistics.median(r.cpu_tps for r in rs):9.1f}"
+                        if threads == 1 and all(r.cpu_tps for r in rs) else ""))
     return "\n".join(lines)
 
 
@@ -349,6 +378,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--types", default="f16", help="weight types: f16 and/or q4_0, q8_0 (comma-separated)")
     ap.add_argument("--rss", action="store_true", help="also measure each engine's resident memory alone")
     ap.add_argument("--probe", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
+    ap.add_argument("--predictor-types", default="", help="also run sparse files with these predictor types "
+                    "(e.g. q4_0, upstream's choice), written once with pi-quantize --predictor-type")
+    ap.add_argument("--upstream", type=Path, default=None,
+                    help="upstream PowerInfer's main binary (built outside this repo): also run it on the "
+                         "quantized PWRI files and on --upstream-file")
+    ap.add_argument("--upstream-file", type=Path, default=None,
+                    help="a PWRI file written by upstream's own quantize (e.g. Q4_0 of bench.powerinfer.gguf)")
     a = ap.parse_args(argv)
     if a.probe:
         return probe(a.probe[0], a.probe[1], 1)
@@ -372,6 +408,15 @@ def main(argv: list[str] | None = None) -> None:
         if "sparse" in wanted:
             engines.append(PiEngine(f"pi-run sparse {tag}", sp, a.dtype))
             probes.append((engines[-1].name, "sparse", sp))
+            for pt in (x for x in a.predictor_types.split(",") if x and qt != "f16"):
+                from powerinfer.convert.quantize import quantize_file
+
+                pp = sp.with_name(sp.name.replace(f"-{qt}", f"-{qt}-pred{pt}", 1))
+                if not pp.is_file():
+                    quantize_file(sparse_path, pp, qt, predictor_type=pt)
+                engines.append(PiEngine(f"pi-run sparse {tag} p{pt}", pp, a.dtype))
+        if a.upstream is not None and qt != "f16":
+            engines.append(UpstreamEngine(f"upstream on ours {tag}", a.upstream, sp))
         if "dense" in wanted:
             engines.append(PiEngine(f"pi-run dense {tag}", dp, a.dtype, dense=True))
             probes.append((engines[-1].name, "dense", dp))
@@ -384,6 +429,8 @@ def main(argv: list[str] | None = None) -> None:
                 e.note = "skipped: llama-cpp-python is not installed (pip install llama-cpp-python)"
                 engines.append(e)
                 print(f"note: {e.note}")
+    if a.upstream is not None and a.upstream_file is not None:
+        engines.append(UpstreamEngine("upstream own file", a.upstream, a.upstream_file))
     if "hf" in wanted:
         engines.append(HFEngine(f"transformers {a.hf_dtype}", hf_dir,
                                 torch.bfloat16 if a.hf_dtype == "bf16" else torch.float32))
