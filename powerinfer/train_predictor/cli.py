@@ -1,9 +1,10 @@
 """``pi-train-predictor``: train the per-layer activation predictors of a ReLU-family model.
 
 Collects (predictor input, active mask) pairs from calibration text, sizes each layer's
-predictor from its sparsity, trains ``fc2(relu(fc1 x))`` per layer with the Deja Vu loss
-and writes ``PRED_DIR/model_{i}.pt`` + ``config.json`` (FORMATS.md section 3). Details:
-:mod:`powerinfer.train_predictor.train`.
+predictor (by default the narrowest width reaching a target held-out recall, within the
+parameter budget: :mod:`powerinfer.train_predictor.search`), trains ``fc2(relu(fc1 x))``
+per layer with the Deja Vu loss and writes ``PRED_DIR/model_{i}.pt`` + ``config.json``
+(FORMATS.md section 3). Details: :mod:`powerinfer.train_predictor.train`.
 """
 from __future__ import annotations
 
@@ -15,17 +16,20 @@ import click
 from ..calibrate.options import calibration_options
 from ..errors import cli_errors
 from ..profile.cli import format_table
+from .search import DEFAULT_TARGET_RECALL
 
 __all__ = ["main", "predictor_table"]
 
 
 def predictor_table(config: dict[str, Any]) -> str:
     """The per-layer summary ``pi-train-predictor`` prints (from the written config.json)."""
+    searched = all("stop" in l for l in config["layers"])
     rows = [(l["layer"], l["hidden"], l["sparsity"], l["recall"], l["precision"], l["pred_active"],
              l["true_active"], f"{l['best_epoch'] + 1}/{l['epochs']}", f"{l['train_seconds']:.1f}")
+            + ((l["cap"], "/".join(str(p["hidden"]) for p in l["probes"]), l["stop"]) if searched else ())
             for l in config["layers"]]
     return format_table(("layer", "H", "sparsity", "recall", "precision", "pred_active", "true_active",
-                         "epoch", "seconds"), rows)
+                         "epoch", "seconds") + (("cap", "widths tried", "stop") if searched else ()), rows)
 
 
 @click.command(context_settings=dict(help_option_names=["-h", "--help"]))
@@ -52,10 +56,22 @@ def predictor_table(config: dict[str, Any]) -> str:
               help="Tokens per training step.")
 @click.option("--lr", default=None, type=click.FloatRange(min=0, min_open=True),
               help="Peak AdamW learning rate [default: min(1e-2, 0.08/sqrt(n_embd))], cosine-decayed.")
+@click.option("--target-recall", default=None, type=click.FloatRange(0, 1),
+              help=f"Per layer, the narrowest predictor whose held-out recall (at --threshold) reaches this, "
+                   f"searched over widths step, 2 step, 4 step, ... up to the budget rule's width, then bisected; "
+                   f"a width that stops improving recall, or the cap, ends the search (config.json records why); "
+                   f"training takes ~2.5x as long as at fixed widths (demo model). "
+                   f"0: no search, the budget rule's widths. [default: {DEFAULT_TARGET_RECALL}, from "
+                   f"benchmarks/bench_target_recall.py on the demo model (pi-perplexity --compare on held-out "
+                   f"TinyStories): 0.99 costs +0.08% perplexity computing 15.9% of FFN neurons; 0.95 gives 31% "
+                   f"fewer predictor parameters but +1.5% at 19.0% computed (narrower predictors mark more "
+                   f"neurons active); 0.995 gives +0.18% at 15.8%. README: 'Predictor width from a target "
+                   f"recall']")
 @click.option("--budget", default=None, type=click.FloatRange(0, 1, min_open=True),
-              help="Predictor parameters as a share of the model's [default: 0.09]; widths follow sparsity.")
+              help="Predictor parameters as a share of the model's [default: 0.09]: caps each layer's width "
+                   "(widths follow sparsity), or sets it with --target-recall 0.")
 @click.option("--hidden", default=None, type=click.IntRange(min=1),
-              help="Use this width for every layer instead of the budget rule.")
+              help="Use this width for every layer (no search, no budget rule).")
 @click.option("--threshold", default=0.0, show_default=True, type=float,
               help="sparse_threshold: a neuron is predicted active when its logit >= this.")
 @click.option("--text-field", default="text", show_default=True, help="JSON field holding the text.")
@@ -67,8 +83,8 @@ def predictor_table(config: dict[str, Any]) -> str:
 @cli_errors
 def main(model_dir: Path, data: str, out_dir: Path, max_tokens: int, heldout_tokens: int | None,
          heldout_frac: float, seq_len: int, epochs: int, patience: int, batch_size: int, lr: float | None,
-         budget: float | None, hidden: int | None, threshold: float, text_field: str, activation_out: Path | None,
-         device: str, dtype: str | None, threads: int | None, forward_batch: int, work_dir: Path | None,
+         target_recall: float | None, budget: float | None, hidden: int | None, threshold: float, text_field: str,
+         activation_out: Path | None, device: str, dtype: str | None, threads: int | None, forward_batch: int, work_dir: Path | None,
          seed: int) -> None:
     """Train activation predictors for MODEL_DIR (a Hugging Face model folder with a ReLU-family FFN).
 
@@ -80,6 +96,13 @@ def main(model_dir: Path, data: str, out_dir: Path, max_tokens: int, heldout_tok
     from .stage import train_predictor_dir
     from .train import TrainSettings
 
+    if hidden is not None and target_recall:
+        raise click.UsageError("--hidden and --target-recall choose the width in different ways; give one")
+    if target_recall is None:
+        target_recall = None if hidden is not None else DEFAULT_TARGET_RECALL
+    elif target_recall == 0:
+        target_recall = None
+
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own tqdm bars say what is going on
@@ -87,7 +110,8 @@ def main(model_dir: Path, data: str, out_dir: Path, max_tokens: int, heldout_tok
                              threshold=threshold, seed=seed)
     cfg = train_predictor_dir(model_dir, data, out_dir, work_dir=work_dir, max_tokens=max_tokens,
                               heldout_tokens=heldout_tokens, heldout_frac=heldout_frac, seq_len=seq_len,
-                              text_field=text_field, budget=budget, hidden=hidden, settings=settings,
+                              text_field=text_field, budget=budget, hidden=hidden,
+                              target_recall=target_recall, settings=settings,
                               threads=threads, progress=True, log=lambda msg: click.echo(msg, err=True),
                               device=device, dtype=dtype, collect_batch_size=forward_batch,
                               activation_out=activation_out)

@@ -22,7 +22,12 @@ alone also rewards predicting everything active, so here the score is held-out r
 minus ``FALSE_ALARM_COST`` times the false-alarm share (predicted-active but inactive,
 as a share of all neurons), which ranks epochs by recall while refusing gains bought
 with many extra neurons. The best epoch's weights are kept; training stops after
-``patience`` epochs without a better score or at ``epochs``.
+``patience`` epochs without a better score or at ``epochs``. A probe of the width search
+(:mod:`powerinfer.train_predictor.search`, ``give_up_below=R``) also stops once the best
+held-out recall so far, going on at its pace of the last :data:`PACE_EPOCHS` epochs until
+the last epoch, would still stay below ``R``: recall curves flatten, so that straight line
+is optimistic, and such a run would not have reached ``R``. Its checkpoint is left
+unfinished; a later call without ``give_up_below`` continues it exactly.
 
 Resumable (nanoGPT style): after every epoch a checkpoint ``WORK/train/layer_{i}.pt``
 holds the weights, optimiser state, best weights, history and a key (data + width +
@@ -47,10 +52,11 @@ from ..formats.predictor import LayerPredictor
 from ..formats.collected import CollectedData, unpack_mask, unpack_mask_torch
 
 __all__ = ["TrainSettings", "Predictor", "default_lr", "lr_at", "deja_vu_loss", "heldout_metrics", "train_layer",
-           "train_all_layers", "FinishedPredictors", "FALSE_ALARM_COST"]
+           "train_all_layers", "FinishedPredictors", "FALSE_ALARM_COST", "PACE_EPOCHS", "hopeless"]
 
 TRAIN_DIR = "train"
 FALSE_ALARM_COST = 0.5
+PACE_EPOCHS = 3  # a probe's recall pace is measured over this many epochs
 _DEJA_VU_EPS = 0.005
 _NOT_IN_KEY = ("eval_rows", "ram_bytes", "device")  # settings that do not change the result
 
@@ -210,24 +216,37 @@ def _score(ev: dict[str, float]) -> float:
     return ev["recall"] - FALSE_ALARM_COST * ev["false_alarm"]
 
 
+def hopeless(history: Sequence[dict[str, Any]], target: float, epochs: int) -> bool:
+    """Would the best held-out recall so far (``history``: per-epoch dicts with ``recall``), going
+    on at its pace of the last PACE_EPOCHS epochs until epoch ``epochs``, stay below ``target``?"""
+    best = np.maximum.accumulate([h["recall"] for h in history]) if history else []
+    if len(best) <= PACE_EPOCHS:
+        return False
+    pace = (best[-1] - best[-1 - PACE_EPOCHS]) / PACE_EPOCHS
+    return bool(best[-1] + pace * (epochs - len(best)) < target)
+
+
 def _save(ckpt: dict[str, Any], path: Path) -> None:
     with atomic_path(path) as tmp:
         torch.save(ckpt, tmp)
 
 
 def train_layer(data: CollectedData, layer: int, hidden: int, settings: TrainSettings, work_dir: str | Path,
-                log: Callable[[str], None] | None = None, progress: bool = False) -> tuple[LayerPredictor, dict[str, Any]]:
+                log: Callable[[str], None] | None = None, progress: bool = False,
+                give_up_below: float | None = None) -> tuple[LayerPredictor, dict[str, Any]]:
     """Train (or resume, or reuse) the predictor of one layer on collected pairs.
 
     Trains on ``data``'s ``train`` split, scores each epoch on its ``heldout`` split (see
     the module docstring for loss, optimiser and stopping) and checkpoints to
     ``work_dir/train/layer_{layer}.pt``. A finished checkpoint with the same key is
-    returned without training.
+    returned without training. ``give_up_below``: a width-search probe's target recall
+    (module docstring: stop early once it is out of reach; not part of the key).
 
     Returns ``(predictor, info)``: the best epoch's :class:`LayerPredictor` (fp32 ``fc1``
     ``[hidden, n_embd]``, ``fc2`` ``[n_ff, hidden]``) and a JSON-able dict with ``hidden``,
     ``epochs`` run, ``best_epoch``, ``history`` (per-epoch train loss and held-out scores),
-    ``seconds``, ``resumed`` ("no", "partial" or "finished").
+    ``seconds``, ``done`` (False for a probe that gave up), ``resumed`` ("no", "partial" or
+    "finished").
     """
     path = Path(work_dir) / TRAIN_DIR / f"layer_{layer}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -255,7 +274,7 @@ def train_layer(data: CollectedData, layer: int, hidden: int, settings: TrainSet
     if ckpt is not None and ckpt.get("done"):
         model.load_state_dict(ckpt["best_model"])
         model.cpu()
-        info = dict(ckpt["info"], resumed="finished")
+        info = dict(ckpt["info"], done=True, resumed="finished")
         if log is not None:
             log(f"layer {layer}: finished checkpoint found, not retrained")
         return model.to_layer_predictor(), info
@@ -277,7 +296,8 @@ def train_layer(data: CollectedData, layer: int, hidden: int, settings: TrainSet
         from tqdm import tqdm
         bar = tqdm(total=s.epochs, initial=ckpt["epoch"], desc=f"layer {layer} (H={hidden})", unit="epoch", leave=False)
     try:
-        while ckpt["epoch"] < s.epochs and ckpt["bad_epochs"] < s.patience:
+        while ckpt["epoch"] < s.epochs and ckpt["bad_epochs"] < s.patience and \
+                not (give_up_below is not None and hopeless(ckpt["history"], give_up_below, s.epochs)):
             epoch = ckpt["epoch"]
             rng = np.random.default_rng([s.seed, layer, epoch])  # same order on resume
             perm = rng.permutation(n)
@@ -318,6 +338,8 @@ def train_layer(data: CollectedData, layer: int, hidden: int, settings: TrainSet
     model.cpu()
     info = dict(hidden=hidden, lr=s.lr, epochs=ckpt["epoch"], best_epoch=ckpt["best_epoch"],
                 seconds=round(time.perf_counter() - t0, 3), history=ckpt["history"])
+    if ckpt["epoch"] < s.epochs and ckpt["bad_epochs"] < s.patience:  # a probe that gave up: not finished
+        return model.to_layer_predictor(), dict(info, done=False, resumed=resumed)
     ckpt.update(done=True, info=info)
     _save(ckpt, path)
     if log is not None:
@@ -325,7 +347,7 @@ def train_layer(data: CollectedData, layer: int, hidden: int, settings: TrainSet
         log(f"layer {layer}: H={hidden}, best epoch {ckpt['best_epoch'] + 1}/{ckpt['epoch']}, held-out recall "
             f"{h['recall']:.3f}, predicted active {h['pred_active']:.3f} (true {h['true_active']:.3f}), "
             f"{info['seconds']:.1f} s")
-    return model.to_layer_predictor(), dict(info, resumed=resumed)
+    return model.to_layer_predictor(), dict(info, done=True, resumed=resumed)
 
 
 class FinishedPredictors(Sequence[LayerPredictor]):
