@@ -299,7 +299,7 @@ def _share_panel(ax, data: ReportData, rows: list[dict[str, Any]]) -> None:
             span = (1.0 - lo) / 0.30
             tw = ax.twinx()
             tw.plot(layers, recall, "o-", color="C3", ms=3.5, lw=1.0, label="held-out recall (right axis)")
-            tw.set_ylim(lo - 0.55 * span, lo + 0.45 * span)
+            tw.set_ylim(lo - 0.55 * span, min(lo + 0.45 * span, 1.0 + 0.03 * span))  # no room above recall 1
             tw.set_ylabel("held-out recall", fontsize=8.5, color="C3")
             tw.tick_params(labelsize=7.5, colors="C3")
             h2, l2 = tw.get_legend_handles_labels()
@@ -319,10 +319,13 @@ def _share_panel(ax, data: ReportData, rows: list[dict[str, Any]]) -> None:
         ax.set_title("active neurons per token", fontsize=9)
         top = 1.0 / 1.35
     ax.set_ylim(0, 100 * top * 1.35)
-    ax.set_xlabel("layer", fontsize=8.5)
     ax.set_ylabel("share of FFN neurons (%)", fontsize=8.5)
     step = max(1, math.ceil(data.n_layer / 16))
     ax.set_xticks(layers[::step])
+    widths = step == 1 and preds is not None and all(p.get("hidden") for p in preds)
+    if widths:  # the predictor widths under the layer numbers
+        ax.set_xticklabels([f"{i}\nH {p['hidden']}" for i, p in enumerate(preds)])
+    ax.set_xlabel("layer (predictor width H)" if widths else "layer", fontsize=8.5)
     ax.set_xlim(-0.6, data.n_layer - 0.4)
     ax.tick_params(labelsize=7.5)
     ax.grid(True, axis="y", lw=0.3, alpha=0.5)
