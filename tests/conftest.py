@@ -27,3 +27,16 @@ def relu_hf(tmp_path_factory, stories_hf) -> Path:
     cfg["hidden_act"] = "relu"
     (d / "config.json").write_text(json.dumps(cfg))
     return d
+
+
+@pytest.fixture(params=["torch", "c"])
+def backend(request):
+    """Run the test with each kernel backend (c is skipped where it cannot be built)."""
+    from powerinfer.runtime import kernels
+
+    try:
+        kernels.set_backend(request.param)
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    yield request.param
+    kernels.set_backend("auto")

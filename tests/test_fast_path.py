@@ -16,20 +16,6 @@ from powerinfer.runtime.weights import compute_dtype, cpu_has_bf16, is_mapped
 
 from helpers import all_active_predictors, make_tiny_llama, teacher_forced
 
-BACKENDS = ["torch", "c"]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    """Run the test with each kernel backend (c is skipped where it cannot be built)."""
-    try:
-        kernels.set_backend(request.param)
-    except RuntimeError as e:
-        pytest.skip(str(e))
-    yield request.param
-    kernels.set_backend("auto")
-
-
 def _tol(dtype: torch.dtype) -> float:
     return 1e-4 if dtype == torch.float32 else 3e-2  # relative to the values' scale
 

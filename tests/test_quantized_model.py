@@ -22,16 +22,6 @@ from helpers import all_active_predictors, teacher_forced
 IDS = [1, 403, 407, 261, 378, 432, 383, 286, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310, 311]
 
 
-@pytest.fixture(params=["torch", "c"])
-def backend(request):
-    try:
-        kernels.set_backend(request.param)
-    except RuntimeError as e:
-        pytest.skip(str(e))
-    yield request.param
-    kernels.set_backend("auto")
-
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, relu_hf):
     """stories260K-relu (real weights): f32 dense, f32 PWRI with every neuron predicted active,

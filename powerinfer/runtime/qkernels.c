@@ -653,6 +653,12 @@ static inline void q4x8_block_ref(const uint8_t *blk, const int8_t *xb, int32_t 
     }
 }
 
+/* y[t0 + j, 8g .. 8g+8) = acc[j] for j < rn: the eight rows of group g for rn tokens */
+static inline void store8(float acc[4][8], int rn, float *y, int64_t N, int64_t t0, int64_t g) {
+    for (int j = 0; j < rn; j++)
+        for (int i = 0; i < 8; i++) y[(t0 + j) * N + 8 * g + i] = acc[j][i];
+}
+
 /* groups [g0, g1) of y [T, N] for a Q4_0x8 matrix; xq/xd/xs: the T activations' q8 blocks,
  * scales and block sums */
 static void q4x8_range(const uint8_t *W, int64_t nb, int64_t N, const int8_t *xq, const float *xd,
@@ -663,6 +669,7 @@ static void q4x8_range(const uint8_t *W, int64_t nb, int64_t N, const int8_t *xq
             const uint8_t *base = W + g * nb * 144;
 #ifdef PI_AVX2
             __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            float o8[4][8];
             const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *blk = base + b * 144;
@@ -692,11 +699,8 @@ static void q4x8_range(const uint8_t *W, int64_t nb, int64_t N, const int8_t *xq
                                              _mm256_mul_ps(dw, _mm256_set1_ps(xd[(t0 + j) * nb + b])), acc[j]);
                 }
             }
-            for (int j = 0; j < rn; j++) {
-                float o[8];
-                _mm256_storeu_ps(o, acc[j]);
-                for (int i = 0; i < 8; i++) y[(t0 + j) * N + 8 * g + i] = o[i];
-            }
+            for (int j = 0; j < rn; j++) _mm256_storeu_ps(o8[j], acc[j]);
+            store8(o8, rn, y, N, t0, g);
 #else
             float acc[4][8] = {{0}};
             for (int64_t b = 0; b < nb; b++) {
@@ -708,8 +712,7 @@ static void q4x8_range(const uint8_t *W, int64_t nb, int64_t N, const int8_t *xq
                         acc[j][i] += (float)d8[i] * (h2f(rd16(blk + 2 * i)) * xd[(t0 + j) * nb + b]);
                 }
             }
-            for (int j = 0; j < rn; j++)
-                for (int i = 0; i < 8; i++) y[(t0 + j) * N + 8 * g + i] = acc[j][i];
+            store8(acc, rn, y, N, t0, g);
 #endif
         }
     }
@@ -751,6 +754,7 @@ static void q8x8_range(const uint8_t *W, int64_t nb, int64_t N, const int8_t *xq
             const uint8_t *base = W + g * nb * 272;
 #ifdef PI_AVX2
             __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            float o8[4][8];
             const __m256i ones = _mm256_set1_epi16(1);
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *blk = base + b * 272;
@@ -770,11 +774,8 @@ static void q8x8_range(const uint8_t *W, int64_t nb, int64_t N, const int8_t *xq
                                              _mm256_mul_ps(dw, _mm256_set1_ps(xd[(t0 + j) * nb + b])), acc[j]);
                 }
             }
-            for (int j = 0; j < rn; j++) {
-                float o[8];
-                _mm256_storeu_ps(o, acc[j]);
-                for (int i = 0; i < 8; i++) y[(t0 + j) * N + 8 * g + i] = o[i];
-            }
+            for (int j = 0; j < rn; j++) _mm256_storeu_ps(o8[j], acc[j]);
+            store8(o8, rn, y, N, t0, g);
 #else
             float acc[4][8] = {{0}};
             for (int64_t b = 0; b < nb; b++) {
@@ -789,8 +790,7 @@ static void q8x8_range(const uint8_t *W, int64_t nb, int64_t N, const int8_t *xq
                     }
                 }
             }
-            for (int j = 0; j < rn; j++)
-                for (int i = 0; i < 8; i++) y[(t0 + j) * N + 8 * g + i] = acc[j][i];
+            store8(acc, rn, y, N, t0, g);
 #endif
         }
     }
