@@ -77,3 +77,31 @@ def test_run_greedy_cli_prints_text_and_speed(dense_gguf):
     assert r.exit_code == 0, r.output
     assert r.output.startswith("Once upon a time")
     assert "tokens/s" in r.output
+
+
+def test_convert_refuses_to_overwrite_an_input_file(tmp_path, relu_hf):
+    d = tmp_path / "m"
+    shutil.copytree(relu_hf, d)
+    before = (d / "config.json").read_bytes()
+    _fails(convert_main, [d, "--outfile", d / "config.json", "--outtype", "q4_0"], d / "config.json", "input file")
+    assert (d / "config.json").read_bytes() == before
+
+
+def test_run_threads_bounded(dense_gguf):
+    import os
+
+    _fails(run_main, ["-m", dense_gguf, "-t", 100000, "-n", 1], "-t 100000", str(4 * (os.cpu_count() or 1)))
+
+
+def test_run_special_token_id_outside_the_vocabulary(tmp_path, dense_gguf):
+    """bos_token_id 4000000000 (a fuzzed header) would index past the embedding table."""
+    import struct
+
+    raw = bytearray(dense_gguf.read_bytes())
+    key = b"tokenizer.ggml.bos_token_id"
+    at = raw.index(struct.pack("<Q", len(key)) + key) + 8 + len(key)
+    assert struct.unpack_from("<I", raw, at)[0] == 4  # GGUF value type uint32
+    struct.pack_into("<I", raw, at + 4, 4_000_000_000)
+    bad = tmp_path / "bos.gguf"
+    bad.write_bytes(bytes(raw))
+    _fails(run_main, ["-m", bad, "-n", 1], bad, "bos_token_id 4000000000 is out of range")

@@ -173,3 +173,12 @@ def test_8_row_groups_equal_row_layout(lib, name, T):
         x8.index_select(0, torch.tensor([1]))
     assert kernels.for_dense_products(make("F16", 64, 256)).layout == "rows"
     assert kernels.for_dense_products(make("Q4_0", 60, 256)).layout == "rows"  # not whole groups
+
+
+def test_gate_and_up_of_different_types(lib):
+    """A mixed file (gate Q4_0, up Q8_0) decodes with one call per matrix."""
+    gate, up = make("Q4_0", 40, 64, seed=11), make("Q8_0", 40, 64, seed=12)
+    x = torch.randn(64, generator=torch.Generator().manual_seed(13))
+    idx = torch.tensor([0, 3, 39])
+    g, u = kernels.rows_dot(x, idx, gate, up, gmin=0.0)
+    assert close(g, reference(gate, x[None])[0, idx]) and close(u, reference(up, x[None])[0, idx])

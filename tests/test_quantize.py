@@ -440,20 +440,24 @@ def test_bf16_input_quantized_and_quantized_tensors_copied(tmp_path):
     x = rng.standard_normal((4, 64)).astype(F)
     bf = (x.view(np.uint32) >> 16).astype(np.uint16)  # truncated to bf16: exact in fp32
     xb = (bf.astype(np.uint32) << 16).view(F)
-    already = ggml.quantize(rng.standard_normal((3, 32)).astype(F), "q8_0")
+    already = ggml.quantize(rng.standard_normal((3, 32)).astype(F), "q4_0")
     ints = np.arange(10, dtype=np.int32)
     src = _synthetic(tmp_path / "in.gguf", [
         ("blk.0.ffn_up.weight", bf.view(np.uint8), QT.BF16),
         ("blk.0.attn_norm.weight", np.ones(64, np.float16), QT.F16),
-        ("blk.0.ffn_gate.weight", already, QT.Q8_0),
+        ("blk.0.ffn_gate.weight", already, QT.Q4_0),
         ("blk.0.positions", ints, QT.I32)])
     res = quantize_file(src, tmp_path / "out.gguf", "q4_0")
     t = open_gguf(res.path).tensors
     assert t["blk.0.ffn_up.weight"].tensor_type == QT.Q4_0
     assert np.asarray(t["blk.0.ffn_up.weight"].data).tobytes() == ggml.quantize(xb, "q4_0").tobytes()
     assert t["blk.0.attn_norm.weight"].tensor_type == QT.F32 and (np.asarray(t["blk.0.attn_norm.weight"].data) == 1).all()
-    assert t["blk.0.ffn_gate.weight"].tensor_type == QT.Q8_0
+    assert t["blk.0.ffn_gate.weight"].tensor_type == QT.Q4_0
     assert np.asarray(t["blk.0.ffn_gate.weight"].data).tobytes() == already.tobytes()
+    # a tensor already quantized to another type is not requantized: the file is refused
+    with pytest.raises(PowerInferError, match=r"already quantized \(1 Q4_0 tensors\), not q8_0"):
+        quantize_file(src, tmp_path / "out8.gguf", "q8_0")
+    assert not (tmp_path / "out8.gguf").exists()
     assert np.array_equal(t["blk.0.positions"].data, ints)
     g = open_gguf(res.path)
     assert g.get("custom.floats") == [1.5, -2.25] and g.get("custom.flag") is True

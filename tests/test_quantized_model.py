@@ -97,3 +97,26 @@ def test_quantized_tensor_with_partial_blocks_is_refused_naming_it(files, tmp_pa
     _patch_first_dim(bad, "blk.1.ffn_up.weight", 48)  # 64 -> 48 values per row: 1.5 Q4_0 blocks
     with pytest.raises(PowerInferError, match=r"blk\.1\.ffn_up\.weight.*multiple of the Q4_0 block size"):
         Transformer(open_gguf(bad))
+
+
+def test_nan_block_scale_is_refused_naming_the_tensor(files, tmp_path):
+    """One NaN fp16 scale in one Q4_0 block would turn every token into garbage: refused at load."""
+    kernels.set_backend("c")
+    g = open_gguf(files["q4_0"])
+    t = g.tensors["blk.2.ffn_up.weight"]
+    raw = bytearray(files["q4_0"].read_bytes())
+    at = int(t.data_offset) + 5 * 36 + 18  # row 5, second block: its fp16 scale
+    raw[at:at + 2] = (0x7E00).to_bytes(2, "little")  # NaN
+    bad = tmp_path / "nan.gguf"
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(PowerInferError, match=r"blk\.2\.ffn_up\.weight.*NaN or infinite block scale in row 5"):
+        Transformer(open_gguf(bad))
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(files):
+    kernels.set_backend("c")
+    model = Transformer(open_gguf(files["q4_0"]))
+    with pytest.raises(PowerInferError, match="outside the vocabulary"):
+        model.forward(torch.tensor([1, 512]), 0)
+    with pytest.raises(PowerInferError, match="outside the vocabulary"):
+        model.forward(torch.tensor([-1]), 0)

@@ -180,6 +180,12 @@ def quantize_file(src: str | Path, dst: str | Path, qtype: str, predictor_type: 
         check_quantized(src, t.name, t.tensor_type, shape, int(t.n_bytes))
         out = tensor_type(t.name, shape, qtype, predictor_type) if t.tensor_type in _FLOAT_IN else None
         plan.append((t, shape, out))
+    other = Counter(t.tensor_type.name for t, s, o in plan if o is None and len(s) == 2
+                    and t.tensor_type != tensor_type(t.name, s, qtype, predictor_type))
+    if other:
+        raise PowerInferError(f"{src}: already quantized ({', '.join(f'{n} {k}' for k, n in other.items())} "
+                              f"tensors), not {qtype}: pi-quantize does not requantize (that compounds the rounding); "
+                              "quantize the f32/f16/bf16 file instead")
     kept = [(t.name, s) for t, s, o in plan if o is not None and falls_back(t.name, s, qtype, predictor_type)]
     if kept:
         log.warning(fallback_note(kept, qtype))

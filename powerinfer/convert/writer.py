@@ -43,7 +43,7 @@ import torch
 from ..errors import PowerInferError
 from ..families import Activation, Family, hf_dims, rope_theta
 from ..formats._atomic import atomic_path
-from ..formats.gguf_file import PWRI_BYTES, set_magic
+from ..formats.gguf_file import GGUF_BYTES, PWRI_BYTES, read_magic, set_magic
 from ..formats.predictor import LayerPredictor, load_predictor_dir, read_predictor_config
 from ..hf import resolve_model
 from .hf_tensors import HFTensors
@@ -202,6 +202,10 @@ def convert(model_dir: str | Path, outfile: str | Path, pred_dir: str | Path | N
     if predictor_type is not None and predictor_type not in PREDICTOR_TYPES:
         raise PowerInferError(f"--predictor-type {predictor_type!r} is not supported; "
                               f"supported: {', '.join(PREDICTOR_TYPES)}")
+    for d in (model_dir, None if pred_dir is None else Path(pred_dir)):  # a re-run may replace a GGUF there
+        if d is not None and outfile.is_file() and outfile.resolve().parent == d.resolve() \
+                and read_magic(outfile) not in (GGUF_BYTES, PWRI_BYTES):
+            raise PowerInferError(f"{outfile}: would overwrite an input file of {d}; write the GGUF somewhere else")
     family, cfg, act = resolve_model(model_dir)
     dims = hf_dims(cfg)
     sparse = pred_dir is not None

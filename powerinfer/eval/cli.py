@@ -24,7 +24,7 @@ import torch
 
 from ..errors import PowerInferError, cli_errors
 from ..formats.gguf_file import open_gguf
-from ..runtime.cli import default_threads, load_model
+from ..runtime.cli import check_threads, default_threads, load_model
 from ..runtime.weights import DTYPES
 from .perplexity import ChunkInfo, PerplexityResult, chunk_tokens, perplexity, read_text
 
@@ -145,8 +145,7 @@ def main(model_path, text_path, ctx_size, n_chunks, n_batch, threads, dtype, den
         raise PowerInferError(f"--chunks {n_chunks}: must be > 0 (omit it for every chunk)")
     if n_batch is not None and n_batch <= 0:
         raise PowerInferError(f"-b {n_batch}: must be > 0")
-    if threads < 0:
-        raise PowerInferError(f"-t {threads}: must be >= 0")
+    check_threads(threads)
     if sum((dense, oracle, compare)) > 1:
         raise PowerInferError("--dense, --oracle and --compare exclude each other (--compare runs all three)")
     text = read_text(text_path)  # a bad text fails before the model is loaded

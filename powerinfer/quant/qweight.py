@@ -78,6 +78,28 @@ class QWeight:
         return self.btype.nbytes / self.btype.block
 
     # ------------------------------------------------------------ rows
+    # ------------------------------------------------------------ checks
+    _SCALES = {"Q4_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}  # byte offsets of fp16 scales
+
+    def first_nonfinite_row(self, rows_per_chunk: int = 4096) -> int | None:
+        """The first stored row holding a NaN/inf fp16 block scale (every value for F16), or None.
+
+        Reads the scales only (2-4 bytes per block), ``rows_per_chunk`` rows at a time.
+        """
+        raw = self._rows_raw()
+        for r0 in range(0, self.n_rows, rows_per_chunk):
+            part = raw[r0:r0 + rows_per_chunk]
+            if self.btype is F16:
+                halves = part.view(np.uint16)
+            else:
+                blocks = part.reshape(part.shape[0], -1, self.btype.nbytes)
+                halves = np.concatenate([blocks[:, :, o:o + 2].copy().view(np.uint16)
+                                         for o in self._SCALES[self.btype.name]], axis=1)
+            bad = ((halves & 0x7C00) == 0x7C00).any(axis=tuple(range(1, halves.ndim)))
+            if bad.any():
+                return r0 + int(np.argmax(bad))
+        return None
+
     # ------------------------------------------------------------ 8-row groups
     def can_x8(self) -> bool:
         return (self.btype.name in ("Q4_0", "Q8_0") and self.layout == "rows" and self.n_rows % 8 == 0

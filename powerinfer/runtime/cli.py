@@ -25,6 +25,16 @@ from .weights import DTYPES, compute_dtype
 SMALL_MODEL_BYTES = 64 << 20  # below this many weight bytes per token, one thread is fastest
 
 
+def check_threads(threads: int) -> int:
+    """``-t``: 0 (automatic) up to 4 x the CPU count; raises PowerInferError otherwise."""
+    import os
+
+    top = 4 * (os.cpu_count() or 1)
+    if not 0 <= threads <= top:
+        raise PowerInferError(f"-t {threads}: must be between 0 (automatic) and {top} (4 x the {os.cpu_count()} CPUs)")
+    return threads
+
+
 def load_model(path: str, dtype: str = "f32", dense: bool = False, n_ctx: int | None = None):
     """Open ``path`` and build the runtime model and its tokenizer (``dtype``: auto, bf16, f32)."""
     g = open_gguf(path)
@@ -99,8 +109,7 @@ def main(model_path, prompt, n_predict, ctx_size, temp, top_k, top_p, seed, thre
         raise PowerInferError(f"-n {n_predict}: must be >= 0")
     if ctx_size < 0:
         raise PowerInferError(f"-c {ctx_size}: must be >= 0 (0: the model's context length)")
-    if threads < 0:
-        raise PowerInferError(f"-t {threads}: must be >= 0")
+    check_threads(threads)
     if kernel_backend is not None:
         try:
             kernels.set_backend(kernel_backend)

@@ -274,9 +274,10 @@ def rows_dot(x: torch.Tensor, idx: torch.Tensor, a, b=None,
     is ``<= gmin`` (a gated ReLU neuron whose gate does not fire; its up row is not read).
     """
     k = idx.numel()
+    if b is not None and (type(a) is not type(b) or getattr(a, "btype", a.dtype) != getattr(b, "btype", b.dtype)):
+        ra = rows_dot(x, idx, a)[0]  # gate and up of different types (a mixed file): one call each
+        return ra, rows_dot(x, idx, b)[0]
     if isinstance(a, QWeight):
-        if b is not None and (not isinstance(b, QWeight) or b.btype != a.btype):
-            raise TypeError("rows_dot: gate and up must have the same quantized type")
         if _q_c_ok(a):
             xf, idx = x.float().contiguous(), idx.contiguous()
             ra = torch.empty(k, dtype=torch.float32)

@@ -67,8 +67,25 @@ class KVCache:
     """Keys and values for every layer and position: ``[n_layer, n_ctx, Hkv, d]`` each."""
 
     def __init__(self, n_layer: int, n_ctx: int, n_head_kv: int, head_dim: int, dtype: torch.dtype):
+        nbytes = 2 * n_layer * n_ctx * n_head_kv * head_dim * torch.empty((), dtype=dtype).element_size()
+        avail = _available_memory()
+        if avail is not None and nbytes > avail:
+            raise PowerInferError(f"the KV cache for a context of {n_ctx} tokens needs {nbytes / 2**30:.1f} GiB, "
+                                  f"more than the {avail / 2**30:.1f} GiB of memory available: ask for less with -c")
         self.k = torch.zeros(n_layer, n_ctx, n_head_kv, head_dim, dtype=dtype)
         self.v = torch.zeros_like(self.k)
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory the system could give now (MemAvailable; None where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def rope_tables(n_ctx: int, n_rot: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,6 +301,10 @@ class Transformer:
         T = tokens.shape[0]
         if pos + T > self.n_ctx:
             raise PowerInferError(f"{pos + T} tokens exceed the context length {self.n_ctx}")
+        V = self.tok_embd.shape[0]
+        if T and (int(tokens.min()) < 0 or int(tokens.max()) >= V):  # a token id from a bad file or caller
+            raise PowerInferError(f"token id {int(tokens.max()) if int(tokens.max()) >= V else int(tokens.min())} "
+                                  f"is outside the vocabulary (0..{V - 1})")
         x = embed(self.tok_embd, tokens).to(self.dtype)  # [T, D]
         if self.pos_embd is not None:
             off = pos + self.args.family.learned_pos_offset

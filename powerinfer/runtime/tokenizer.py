@@ -33,6 +33,11 @@ class GGUFTokenizer:
         self.tokens: list[str] = list(g.get("tokenizer.ggml.tokens"))
         self.bos_id = g.get("tokenizer.ggml.bos_token_id")
         self.eos_id = g.get("tokenizer.ggml.eos_token_id")
+        n_tok = len(self.tokens)
+        for key, v in (("bos", self.bos_id), ("eos", self.eos_id)):
+            if v is not None and not (isinstance(v, int) and 0 <= v < max(n_tok, 1)):
+                raise PowerInferError(f"{g.path}: tokenizer.ggml.{key}_token_id {v} is out of range "
+                                      f"(the vocabulary has {n_tok} tokens)")
         self.add_bos = bool(g.get("tokenizer.ggml.add_bos_token", model == "llama"))
         types = g.get("tokenizer.ggml.token_type") or [1] * len(self.tokens)
         if model == "llama":

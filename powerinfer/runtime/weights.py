@@ -197,6 +197,11 @@ def load_matrix(g: GGUFFile, name: str, dtype: torch.dtype, mapped: bool, dense_
         warnings.simplefilter("ignore")  # read-only map; weights are never written
         raw = torch.from_numpy(t.data.view(np.uint8).reshape(shape[0], bt.row_bytes(shape[1])))
     w = QWeight(raw, bt, shape[0], shape[1])
+    bad = w.first_nonfinite_row()
+    if bad is not None:
+        what = "value" if kind == "F16" else "block scale"
+        raise PowerInferError(f"{g.path}: tensor {name!r} ({kind}) has a NaN or infinite {what} in row {bad}: "
+                              "the file is corrupt")
     return dense_layout(g, [name], w) if dense_use else w
 
 
