@@ -77,12 +77,14 @@ def bench_report(model: Transformer, st: GenStats, path: str) -> str:
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-m", "--model", "model_path", required=True, type=click.Path(dir_okay=False),
               help="GGUF (dense) or PowerInfer GGUF (PWRI magic, sparse) file.")
-@click.option("-p", "--prompt", default="Once upon a time", show_default=True)
+@click.option("-p", "--prompt", default="Once upon a time", show_default=True,
+              help="Text to continue (BOS is added as the model's tokenizer says).")
 @click.option("-n", "--n-predict", default=128, show_default=True, help="Tokens to generate.")
 @click.option("-c", "--ctx-size", default=0, help="Context length (0: the model's).")
 @click.option("--temp", default=0.8, show_default=True, help="Temperature; 0 = greedy.")
-@click.option("--top-k", default=40, show_default=True)
-@click.option("--top-p", default=0.95, show_default=True)
+@click.option("--top-k", default=40, show_default=True, help="Sample among the k most likely tokens (0: all).")
+@click.option("--top-p", default=0.95, show_default=True,
+              help="Then keep the smallest set whose probability reaches p (1.0: off), as llama.cpp does.")
 @click.option("-s", "--seed", default=-1, show_default=True, help="RNG seed (-1: random).")
 @click.option("-t", "--threads", default=0,
               help="CPU threads (0: 1 for models under 64 MB of weights per token, else torch's default).")
