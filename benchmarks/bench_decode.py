@@ -195,9 +195,12 @@ class UpstreamEngine(Engine):
     def run(self, ids, n):
         import re
 
-        r = subprocess.run([str(self.binary), "-m", str(self.path), "-n", str(n), "-t", str(self.threads),
-                            "--temp", "0", "--ignore-eos", "-p", PROMPT[:4 * len(ids)]],
-                           capture_output=True, text=True)
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as cwd:  # its main writes main.log into the working folder
+            r = subprocess.run([str(self.binary.resolve()), "-m", str(self.path.resolve()), "-n", str(n), "-t",
+                                str(self.threads), "--temp", "0", "--ignore-eos", "-p", PROMPT[:4 * len(ids)]],
+                               capture_output=True, text=True, cwd=cwd)
         tps = dict(re.findall(r"(prompt eval|\beval) time.*?([\d.]+) tokens per second", r.stderr))
         if "eval" not in tps:
             raise RuntimeError(f"{self.binary}: no timings in its output: {r.stderr.strip()[-300:]}")
