@@ -7,12 +7,15 @@ share of neurons computed, and the weight bytes read per token.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import sys
+from pathlib import Path
 
 import click
 import torch
 
+from .. import __version__
 from ..errors import PowerInferError, cli_errors
 from ..formats.gguf_file import open_gguf
 from . import kernels
@@ -23,6 +26,65 @@ from .tokenizer import GGUFTokenizer, TextStream
 from .weights import DTYPES, compute_dtype
 
 SMALL_MODEL_BYTES = 64 << 20  # below this many weight bytes per token, one thread is fastest
+MAX_PROMPT_FILE_BYTES = 16 << 20  # -f: larger files are refused
+SEED_MAX = 2**63 - 1
+
+
+def read_prompt_file(path: str) -> str:
+    """``-f``: the file's text (UTF-8; one trailing newline dropped, as llama.cpp does);
+    PowerInferError for a missing, too large, binary or non-UTF-8 file."""
+    p = Path(path)
+    if not p.is_file():
+        raise PowerInferError(f"-f {path}: {'not a file' if p.exists() else 'file not found'}")
+    size = p.stat().st_size
+    if size > MAX_PROMPT_FILE_BYTES:
+        raise PowerInferError(f"-f {path}: {size / 2**20:.1f} MiB is more than a prompt file may be "
+                              f"({MAX_PROMPT_FILE_BYTES >> 20} MiB)")
+    data = p.read_bytes()
+    if b"\0" in data:
+        raise PowerInferError(f"-f {path}: a binary file (it has NUL bytes), not text")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PowerInferError(f"-f {path}: not UTF-8 text (invalid byte at offset {e.start})") from None
+    return text.removeprefix("\ufeff").removesuffix("\n")
+
+
+def check_text(text: str, what: str) -> str:
+    """PowerInferError if ``text`` holds undecodable bytes (click keeps invalid UTF-8 from the
+    command line as lone surrogates, which the tokenizers cannot take)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PowerInferError(f"{what}: not valid UTF-8 text (an invalid byte at character {e.start})") from None
+    return text
+
+
+def check_sampler(n_predict: int, temp: float, top_k: int, top_p: float, seed: int,
+                  repeat_penalty: float, repeat_last_n: int) -> None:
+    """The sampling flags' ranges (NaN and infinities refused); raises PowerInferError."""
+    if n_predict < -1:
+        raise PowerInferError(f"-n {n_predict}: must be >= 0, or -1 (until the end of text or the context is full)")
+    for flag, v in (("--temp", temp), ("--top-p", top_p), ("--repeat-penalty", repeat_penalty)):
+        if not math.isfinite(v):
+            raise PowerInferError(f"{flag} {v}: must be a finite number")
+    if temp < 0:
+        raise PowerInferError(f"--temp {temp}: must be >= 0 (0: greedy)")
+    if not 0 < top_p <= 1:
+        raise PowerInferError(f"--top-p {top_p}: must be in (0, 1] (1: off)")
+    if top_k < 0:
+        raise PowerInferError(f"--top-k {top_k}: must be >= 0 (0: all tokens)")
+    if not -1 <= seed <= SEED_MAX:
+        raise PowerInferError(f"--seed {seed}: must be between -1 (random) and {SEED_MAX}")
+    if repeat_penalty <= 0:
+        raise PowerInferError(f"--repeat-penalty {repeat_penalty}: must be > 0 (1.0: off)")
+    if repeat_last_n < -1:
+        raise PowerInferError(f"--repeat-last-n {repeat_last_n}: must be >= 0, or -1 (the context size)")
+
+
+def format_bytes(nb: float) -> str:
+    """``1.23 MB``, or ``45.6 KB`` below 0.1 MB (a small model's bytes per token do not round to 0)."""
+    return f"{nb / 1e6:.2f} MB" if nb >= 1e5 else f"{nb / 1e3:.1f} KB"
 
 
 def check_threads(threads: int) -> int:
@@ -70,7 +132,7 @@ def bench_report(model: Transformer, st: GenStats, path: str) -> str:
             lines.append(f"  FFN neurons computed: {100 * st.decode_active_share:.1f}% of n_ff on average "
                          f"(predicted active{fired})")
         nb = decode_bytes_per_token(model, st.decode_active_share, st.decode_fired_share)
-        lines.append(f"  weights read: {nb / 1e6:.0f} MB per token -> {nb * st.gen_tps / 1e9:.1f} GB/s effective")
+        lines.append(f"  weights read: {format_bytes(nb)} per token -> {nb * st.gen_tps / 1e9:.1f} GB/s effective")
     return "\n".join(lines) + "\n"
 
 
@@ -79,13 +141,24 @@ def bench_report(model: Transformer, st: GenStats, path: str) -> str:
               help="GGUF (dense) or PowerInfer GGUF (PWRI magic, sparse) file.")
 @click.option("-p", "--prompt", default="Once upon a time", show_default=True,
               help="Text to continue (BOS is added as the model's tokenizer says).")
-@click.option("-n", "--n-predict", default=128, show_default=True, help="Tokens to generate.")
-@click.option("-c", "--ctx-size", default=0, help="Context length (0: the model's).")
+@click.option("-f", "--file", "prompt_file", default=None,
+              help="Read the prompt from this UTF-8 text file (at most 16 MiB; one trailing newline dropped) "
+                   "instead of -p.")
+@click.option("-n", "--n-predict", default=128, show_default=True,
+              help="Tokens to generate; -1: until the end of text or the context is full.")
+@click.option("-c", "--ctx-size", default=0, help="Context length (0: the model's; larger values are cut to it).")
 @click.option("--temp", default=0.8, show_default=True, help="Temperature; 0 = greedy.")
 @click.option("--top-k", default=40, show_default=True, help="Sample among the k most likely tokens (0: all).")
 @click.option("--top-p", default=0.95, show_default=True,
               help="Then keep the smallest set whose probability reaches p (1.0: off), as llama.cpp does.")
+@click.option("--repeat-penalty", default=1.0, show_default=True,
+              help="Divide positive logits (multiply negative ones) of the tokens among the last "
+                   "--repeat-last-n by this, as llama.cpp does; 1.0: off (llama.cpp's default is 1.1).")
+@click.option("--repeat-last-n", default=64, show_default=True,
+              help="Tokens of history (prompt included) the repeat penalty looks at; 0: off, -1: the context size.")
 @click.option("-s", "--seed", default=-1, show_default=True, help="RNG seed (-1: random).")
+@click.option("--ignore-eos", is_flag=True,
+              help="Keep generating past the end of text (EOS, or BOS emitted by llama2.c-style models).")
 @click.option("-t", "--threads", default=0,
               help="CPU threads (0: 1 for models under 64 MB of weights per token, else torch's default).")
 @click.option("--dense", is_flag=True, help="Compute every FFN neuron even in a PWRI file.")
@@ -102,22 +175,31 @@ def bench_report(model: Transformer, st: GenStats, path: str) -> str:
                    "default auto, or $POWERINFER_KERNELS.")
 @click.option("--bench", is_flag=True,
               help="Greedy, ignore EOS, no text: report tokens/s, FFN share of decode time, active share.")
+@click.version_option(__version__, "--version", prog_name="pi-run", message="%(prog)s (powerinfer) %(version)s")
 @cli_errors
-def main(model_path, prompt, n_predict, ctx_size, temp, top_k, top_p, seed, threads, dense, vram_budget,
-         activation_dir, reset_gpu_index, disable_gpu_index, dtype, kernel_backend, bench):
+def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_p, repeat_penalty, repeat_last_n,
+         seed, ignore_eos, threads, dense, vram_budget, activation_dir, reset_gpu_index, disable_gpu_index, dtype,
+         kernel_backend, bench):
     """Generate text with sparse FFNs: only the neurons the predictor marks active are computed."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
-    if n_predict < 0:
-        raise PowerInferError(f"-n {n_predict}: must be >= 0")
+    check_sampler(n_predict, temp, top_k, top_p, seed, repeat_penalty, repeat_last_n)
     if ctx_size < 0:
         raise PowerInferError(f"-c {ctx_size}: must be >= 0 (0: the model's context length)")
     check_threads(threads)
+    if prompt_file is not None:
+        if click.get_current_context().get_parameter_source("prompt") == click.core.ParameterSource.COMMANDLINE:
+            raise PowerInferError("-p and -f: give the prompt one way, not both")
+        prompt = read_prompt_file(prompt_file)
+    else:
+        check_text(prompt, "-p")
     if kernel_backend is not None:
         try:
             kernels.set_backend(kernel_backend)
         except RuntimeError as e:
             raise PowerInferError(f"--kernels c: {e}") from None
     model, tok = load_model(model_path, dtype, dense, ctx_size or None)
+    if ctx_size > model.n_ctx:
+        click.echo(f"note: -c {ctx_size} is more than the model's context length; using {model.n_ctx}", err=True)
     torch.set_num_threads(threads or default_threads(model))
     if vram_budget is not None and not disable_gpu_index:
         summary = offload(model, model_path, vram_budget, activation_dir, reset_gpu_index)
@@ -125,13 +207,14 @@ def main(model_path, prompt, n_predict, ctx_size, temp, top_k, top_p, seed, thre
             click.echo(summary, err=True)
     ids = tok.encode(prompt)
     if len(ids) >= model.n_ctx:
-        raise PowerInferError(f"prompt: {len(ids)} tokens do not fit the context length {model.n_ctx} "
-                              "(shorten it or raise -c up to the model's context length)")
+        hint = (f"shorten it or raise -c up to the model's context length {model.max_ctx}"
+                if model.n_ctx < model.max_ctx else "shorten it: this is the model's context length")
+        raise PowerInferError(f"prompt: {len(ids)} tokens do not fit the context length {model.n_ctx} ({hint})")
     if bench:
         st = generate(model, ids, n_predict, SamplerSettings(temp=0.0), None)
         sys.stdout.write(bench_report(model, st, model_path))
         return
-    stream = TextStream(tok)
+    stream = TextStream(tok, ids)
     out = sys.stdout
     out.write(prompt)
     out.flush()
@@ -140,10 +223,17 @@ def main(model_path, prompt, n_predict, ctx_size, temp, top_k, top_p, seed, thre
         out.write(stream.push(t))
         out.flush()
 
-    st = generate(model, ids, n_predict, SamplerSettings(temp, top_k, top_p, seed), tok.eos_id, on_token)
+    sampler = SamplerSettings(temp, top_k, top_p, seed, repeat_penalty, repeat_last_n)
+    eos = None if ignore_eos else tok.eos_id
+    late = () if ignore_eos or tok.bos_id is None else (tok.bos_id,)
+    st = generate(model, ids, n_predict, sampler, eos, on_token, stop_after_first=late)
     out.write("\n")
+    out.flush()
     mode = "dense" if model.dense else "sparse"
     err = sys.stderr
+    if st.stop == "context":
+        err.write(f"note: the context is full ({model.n_ctx} tokens): stopped after {st.n_gen} tokens"
+                  + (f" of -n {n_predict}" if n_predict >= 0 else "") + "\n")
     err.write(f"\nmodel: {model_path} ({model.args.family.name}, {mode}, {str(model.dtype).removeprefix('torch.')}, "
               f"kernels {kernels.backend()}, {_threads()})\n")
     err.write(f"prompt eval: {st.n_prompt} tokens in {st.t_prompt * 1e3:.1f} ms ({st.prompt_tps:.1f} tokens/s)\n")

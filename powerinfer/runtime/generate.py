@@ -1,7 +1,8 @@
 """The generation loop: prefill, decode one token at a time, sample, time it.
 
-Sampling follows llama.cpp's order and meaning: top-k, then top-p (nucleus),
-then temperature; ``temp <= 0`` is greedy (argmax).
+Sampling follows llama.cpp's order and meaning: the repetition penalty (off by
+default here, 1.1 in llama.cpp), then top-k, then top-p (nucleus), then
+temperature; ``temp <= 0`` is greedy (argmax, after the penalty).
 
 Timing: :class:`GenStats` keeps the prompt time, every decode step's time, and
 the time the FFNs (and their predictors) took during decoding, so a run can say
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -27,10 +28,26 @@ class SamplerSettings:
     top_k: int = 40
     top_p: float = 0.95
     seed: int = -1  # -1: random
+    repeat_penalty: float = 1.0  # 1.0: off (llama.cpp's default is 1.1)
+    repeat_last_n: int = 64  # tokens of history penalized; 0: off, -1: the context size
 
 
-def sample(logits: torch.Tensor, s: SamplerSettings, gen: torch.Generator | None) -> int:
-    """One token id from fp32 logits ``[V]``."""
+def apply_repeat_penalty(logits: torch.Tensor, history: Sequence[int], penalty: float) -> torch.Tensor:
+    """llama.cpp's repetition penalty: each distinct token of ``history`` has its logit divided
+    by ``penalty`` when positive, multiplied by it when negative. Returns a new tensor."""
+    if penalty == 1.0 or not history:
+        return logits
+    idx = torch.tensor(sorted({int(t) for t in history if 0 <= t < logits.numel()}), dtype=torch.long)
+    out = logits.clone()
+    v = out[idx]
+    out[idx] = torch.where(v > 0, v / penalty, v * penalty)
+    return out
+
+
+def sample(logits: torch.Tensor, s: SamplerSettings, gen: torch.Generator | None,
+           history: Sequence[int] = ()) -> int:
+    """One token id from fp32 logits ``[V]`` (``history``: the last tokens, for the repetition penalty)."""
+    logits = apply_repeat_penalty(logits, history, getattr(s, "repeat_penalty", 1.0))
     if s.temp <= 0:
         return int(logits.argmax())
     if 0 < s.top_k < logits.numel():
@@ -60,6 +77,7 @@ class GenStats:
     t_predict: float = 0.0  # seconds in predictors during decode passes
     decode_active_share: float | None = None  # active share over decode tokens only
     decode_fired_share: float | None = None  # share of neurons with a non-zero activation, decode tokens
+    stop: str = ""  # why generation ended: "n_predict", "eos" (an end token), "context" (the context is full)
 
     @property
     def ffn_share(self) -> float:
@@ -123,8 +141,12 @@ def decode_bytes_per_token(model: Transformer, active_share: float | None = None
 
 
 def generate(model: Transformer, prompt_ids: list[int], n_predict: int, sampler: SamplerSettings,
-             eos_id: int | None = None, on_token: Callable[[int], None] | None = None) -> GenStats:
-    """Generate up to ``n_predict`` tokens after ``prompt_ids`` (stops at EOS or the context end).
+             eos_id: int | None = None, on_token: Callable[[int], None] | None = None,
+             stop_after_first: Sequence[int] = ()) -> GenStats:
+    """Generate up to ``n_predict`` tokens after ``prompt_ids`` (``n_predict < 0``: until an end
+    token or the context end). Stops at ``eos_id`` and, from the second generated token on, at any
+    id of ``stop_after_first`` (BOS for llama2.c-style models, which emit it between stories);
+    the end token is neither kept nor passed to ``on_token``. ``GenStats.stop`` says why it stopped.
 
     Raises PowerInferError if the prompt is empty or does not fit in the context.
     """
@@ -137,6 +159,12 @@ def generate(model: Transformer, prompt_ids: list[int], n_predict: int, sampler:
     if sampler.temp > 0:
         gen = torch.Generator()
         gen.manual_seed(sampler.seed if sampler.seed >= 0 else int(time.time_ns() % (1 << 31)))
+    penalty = getattr(sampler, "repeat_penalty", 1.0)
+    last_n = getattr(sampler, "repeat_last_n", 64)
+    last_n = model.n_ctx if last_n < 0 else last_n
+    history = list(prompt_ids) if penalty != 1.0 and last_n > 0 else None
+    late_stops = set(stop_after_first)
+    kernels.backend()  # chooses (and on first use compiles) the kernels, outside the prompt's time
     st = GenStats(n_prompt=len(prompt_ids))
     with torch.inference_mode():
         t0 = time.perf_counter()
@@ -145,14 +173,22 @@ def generate(model: Transformer, prompt_ids: list[int], n_predict: int, sampler:
         pos = len(prompt_ids)
         c0 = ffn_counters(model)
         t0, cpu0 = time.perf_counter(), time.thread_time()
-        for _ in range(n_predict):
-            tok = sample(logits, sampler, gen)
-            if eos_id is not None and tok == eos_id:
+        st.stop = "n_predict"
+        while n_predict < 0 or len(st.token_ids) < n_predict:
+            tok = sample(logits, sampler, gen, history[-last_n:] if history is not None else ())
+            if (eos_id is not None and tok == eos_id) or (st.token_ids and tok in late_stops):
+                st.stop = "eos"
                 break
             st.token_ids.append(tok)
+            if history is not None:
+                history.append(tok)
+                del history[:-last_n]
             if on_token is not None:
                 on_token(tok)
-            if pos >= model.n_ctx or len(st.token_ids) == n_predict:
+            if len(st.token_ids) == n_predict:
+                break
+            if pos >= model.n_ctx:
+                st.stop = "context"
                 break
             ts = time.perf_counter()
             logits = model.forward(torch.tensor([tok], dtype=torch.long), pos)

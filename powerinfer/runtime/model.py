@@ -250,6 +250,7 @@ class Transformer:
             if self.pos_embd.shape[1] != a.n_embd:
                 raise PowerInferError(f"{g.path}: position_embd shape {tuple(self.pos_embd.shape)} does not match n_embd")
             max_ctx = min(max_ctx, self.pos_embd.shape[0] - fam.learned_pos_offset)
+        self.max_ctx = max_ctx  # the model's own context length (n_ctx may be smaller: -c)
         self.n_ctx = min(n_ctx or max_ctx, max_ctx)
         self.layers: list[Layer] = [build_layer(g, i, a, dtype, self.dense, mapped) for i in range(a.n_layer)]
         self.rope = {"normal": apply_rope, "neox": apply_rope_neox, None: None}[fam.rope]

@@ -74,17 +74,25 @@ class GGUFTokenizer:
 
 
 class TextStream:
-    """Turns a growing id sequence into text deltas without splitting UTF-8 characters."""
+    """Turns a growing id sequence into text deltas without splitting UTF-8 characters.
 
-    def __init__(self, tok: GGUFTokenizer):
-        self.tok, self.ids, self.emitted = tok, [], ""
+    Seeded with the prompt's ids, it emits what the new tokens add to ``decode(prompt)``:
+    ``decode(prompt + generated) - decode(prompt)``, so the first generated piece keeps its
+    leading space (SentencePiece drops the space of a sequence's first piece)."""
+
+    def __init__(self, tok: GGUFTokenizer, prefix_ids: Sequence[int] = ()):
+        self.tok, self.ids = tok, list(prefix_ids)
+        self.emitted = tok.decode(self.ids) if self.ids else ""
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
         text = self.tok.decode(self.ids)
         if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more bytes
             return ""
-        delta = text[len(self.emitted):] if text.startswith(self.emitted) else text
+        n = len(self.emitted)
+        if not text.startswith(self.emitted):  # printed text stays: only what follows the common prefix is new
+            n = next((i for i, (a, b) in enumerate(zip(text, self.emitted)) if a != b), min(len(text), n))
+        delta = text[n:]
         self.emitted = text
         return delta
 
