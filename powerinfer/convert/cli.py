@@ -7,11 +7,7 @@ from pathlib import Path
 import click
 
 from ..errors import PowerInferError, cli_errors
-from ..families import hf_dims, read_hf_config
-from ..formats.activation import load_activation_dir
-from .gpu_index import ensure_gpu_index
 from .tensor_types import DEFAULT_PREDICTOR_TYPE, OUTTYPES, PREDICTOR_TYPES
-from .writer import convert
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -34,6 +30,11 @@ from .writer import convert
 @cli_errors
 def main(model_dir, pred_dir, outfile, outtype, predictor_type, sparse_threshold, vram_budget, activation_dir):
     """Write MODEL_DIR as a PowerInfer GGUF with the predictors in PRED_DIR, or a dense GGUF without."""
+    from ..families import hf_dims, read_hf_config  # torch and transformers: imported only to run, not for --help
+    from ..formats.activation import load_activation_dir
+    from .gpu_index import ensure_gpu_index
+    from .writer import convert
+
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     act_dir = Path(activation_dir) if activation_dir else Path(model_dir) / "activation"
     if vram_budget is not None:  # check the placement inputs before writing anything
