@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -51,7 +52,7 @@ class FFN:
     def sparse(self) -> bool:
         return self.fc1 is not None
 
-    @property
+    @cached_property
     def gate_min(self) -> float | None:
         """Gate value at or below which a gated neuron's output is exactly 0 whatever its up
         product (ReLU: 0; FATReLU: just below its threshold); None for dense activations

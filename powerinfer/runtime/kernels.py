@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..errors import PowerInferError
 from ..quant.qweight import QWeight
 
 SOURCE = Path(__file__).with_name("kernels.c")
@@ -111,10 +112,8 @@ def _build(native: bool = True) -> ctypes.CDLL:
     lib.pi_q_dot_rows.argtypes = [C, P, P, P, I, I, P, P, P, F32]
     lib.pi_q_axpy_rows.argtypes = [C, P, P, P, I, I, P]
     lib.pi_q_dequant_rows.argtypes = [C, P, P, I, I, P]
-    lib.pi_q4x8_gemm.argtypes = [P, I, I, P, I, P]
-    lib.pi_q8x8_gemm.argtypes = [P, I, I, P, I, P]
-    for f in (lib.pi_q_gemm, lib.pi_q_dot_rows, lib.pi_q_axpy_rows, lib.pi_q_dequant_rows, lib.pi_q4x8_gemm,
-              lib.pi_q8x8_gemm):
+    lib.pi_x8_gemm.argtypes = [C, P, I, I, P, I, P]
+    for f in (lib.pi_q_gemm, lib.pi_q_dot_rows, lib.pi_q_axpy_rows, lib.pi_q_dequant_rows, lib.pi_x8_gemm):
         f.restype = None
     return lib
 
@@ -216,8 +215,7 @@ def _q_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     xf = x.float().contiguous()
     if w.layout == "x8" and backend() == "c":  # every T: the 8-row kernel also tiles 4 tokens
         y = torch.empty(T, N, dtype=torch.float32)
-        fn = _state["lib"].pi_q4x8_gemm if w.btype.name == "Q4_0" else _state["lib"].pi_q8x8_gemm
-        fn(w.raw.data_ptr(), N, K, xf.data_ptr(), T, y.data_ptr())
+        _state["lib"].pi_x8_gemm(_QT[w.btype.name], w.raw.data_ptr(), N, K, xf.data_ptr(), T, y.data_ptr())
         return y
     if T <= QGEMM_MAX_T and _q_c_ok(w):
         y = torch.empty(T, N, dtype=torch.float32)
@@ -260,6 +258,11 @@ def matmul(h: torch.Tensor, w: QWeight) -> torch.Tensor:
 def embed(w, tokens: torch.Tensor) -> torch.Tensor:
     """Rows ``tokens`` (LongTensor ``[T]``) of an embedding table ``[V, D]`` -> ``[T, D]``
     (fp32 for a QWeight)."""
+    if tokens.numel():  # the C lookup reads memory by these ids: bound them (a caller's or a bad file's ids)
+        lo, hi = (int(v) for v in torch.aminmax(tokens))
+        if lo < 0 or hi >= w.shape[0]:
+            raise PowerInferError(f"token id {hi if hi >= w.shape[0] else lo} is outside the vocabulary "
+                                  f"(0..{w.shape[0] - 1})")
     if isinstance(w, QWeight):
         return dequant_rows(w, 0, 0, tokens.to(torch.long))
     return w[tokens]

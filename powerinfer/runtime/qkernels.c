@@ -266,7 +266,7 @@ typedef struct {
     const float *x;
     const int8_t *xq;
     const float *xd;
-    const int32_t *xs;  /* sums of xq over each 16 values (K-quants) */
+    const int32_t *xs;  /* sums of xq over each 16 values (K-quants, Q4_0) */
 } act_t;
 
 /* Q4_K row . q8 activation: sub-block k of 32 values (scale s_k, min m_k, 4-bit q) meets
@@ -393,7 +393,7 @@ static acts_t prepare(int qt, const float *x, int64_t T, int64_t K) {
     a.q = malloc((size_t)(T * K));
     a.d = malloc((size_t)(T * (K / QK)) * sizeof(float));
     for (int64_t t = 0; t < T; t++) quantize_q8(x + t * K, K, a.q + t * K, a.d + t * (K / QK));
-    if (is_k(qt)) {
+    if (is_k(qt) || qt == QT_Q4_0) {  /* K-quant mins/offsets; Q4_0's offset 8 in the x8 kernel */
         a.s = malloc((size_t)(T * (K / 16)) * sizeof(int32_t));
         for (int64_t i = 0; i < T * (K / 16); i++) {
             int32_t v = 0;
@@ -632,182 +632,135 @@ void pi_q_axpy_rows(int qt, const void *W, const int64_t *idx, const float *coef
     free(cs);
 }
 
-/* ------------------------------------------------------------------ Q4_0 in 8-row groups
- * Dense products (attention, output, dense FFNs) read Q4_0 matrices re-laid out at load in
- * groups of 8 rows ("Q4_0x8", same bytes per row): for group g and block b, 144 bytes at
- * (g * nb + b) * 144 hold the 8 rows' fp16 scales, then 4 chunks of 32 bytes; chunk c holds
- * bytes 4c..4c+3 of each row's 16 nibble bytes (row i at offset 4i), i.e. values 4c..4c+3
- * in the low nibbles and 16+4c..16+4c+3 in the high ones. One 32-byte load then gives four
- * values of all 8 rows, multiplied (vpmaddubsw, the nibbles unsigned 0..15) with those four
- * activation bytes broadcast; the offset 8 is taken off once per block as 8 * sum(x block).
- * The eight lanes of the accumulator are the eight rows: no horizontal sums. */
-static inline void q4x8_block_ref(const uint8_t *blk, const int8_t *xb, int32_t xs, int32_t *dot8) {
+/* ------------------------------------------------------------------ 8-row groups
+ * Dense products (attention, output, predictors, dense FFNs) read Q4_0/Q8_0 matrices re-laid
+ * out at load in groups of 8 rows ("x8", same bytes per row): for group g and block b,
+ * 8 * bb bytes at (g * nb + b) * 8 * bb hold the 8 rows' fp16 scales, then chunks of 32
+ * bytes; chunk c holds bytes 4c..4c+3 of each row's quant bytes (row i at offset 4i).
+ * Q4_0 (4 chunks): values 4c..4c+3 in the low nibbles, 16+4c.. in the high ones; the
+ *   unsigned nibbles (0..15) meet the broadcast activation bytes in vpmaddubsw and the
+ *   offset 8 is taken off once per block as 8 * sum(x block).
+ * Q8_0 (8 chunks): signed x signed with the sign trick, each chunk's int16 pairs widened to
+ *   int32 at once (two chunks could overflow int16).
+ * The eight accumulator lanes are the eight rows: no horizontal sums. */
+
+/* sum over the block of row_i . x for the 8 rows of one x8 block (reference maths) */
+static inline void x8_block_ref(int qt, const uint8_t *blk, const int8_t *xb, int32_t xs, int32_t *dot8) {
     for (int i = 0; i < 8; i++) {
-        int32_t s = 0;
-        for (int c = 0; c < 4; c++)
-            for (int e = 0; e < 4; e++) {
-                const uint8_t v = blk[16 + 32 * c + 4 * i + e];
-                s += (v & 15) * xb[4 * c + e] + (v >> 4) * xb[16 + 4 * c + e];
-            }
-        dot8[i] = s - 8 * xs;
+        int32_t sdot = 0;
+        if (qt == QT_Q4_0) {
+            for (int c = 0; c < 4; c++)
+                for (int e = 0; e < 4; e++) {
+                    const uint8_t v = blk[16 + 32 * c + 4 * i + e];
+                    sdot += (v & 15) * xb[4 * c + e] + (v >> 4) * xb[16 + 4 * c + e];
+                }
+            sdot -= 8 * xs;
+        } else {
+            for (int c = 0; c < 8; c++)
+                for (int e = 0; e < 4; e++) sdot += (int8_t)blk[16 + 32 * c + 4 * i + e] * xb[4 * c + e];
+        }
+        dot8[i] = sdot;
     }
 }
 
-/* y[t0 + j, 8g .. 8g+8) = acc[j] for j < rn: the eight rows of group g for rn tokens */
-static inline void store8(float acc[4][8], int rn, float *y, int64_t N, int64_t t0, int64_t g) {
-    for (int j = 0; j < rn; j++)
-        for (int i = 0; i < 8; i++) y[(t0 + j) * N + 8 * g + i] = acc[j][i];
+#ifdef PI_AVX2
+/* One x8 block's 8 chunk vectors as 32 quant bytes each: Q4_0's 4 chunks give 8 vectors of
+ * unsigned nibbles (low nibbles, then high), Q8_0's 8 chunks are used as they are. Vector
+ * k pairs with activation bytes 4k..4k+3 in both cases. Unpacked once per block, reused
+ * for every token of the tile. */
+static inline __attribute__((always_inline)) void x8_unpack(int qt, const uint8_t *blk, __m256i *v) {
+    if (qt == QT_Q4_0) {
+        const __m256i m4 = _mm256_set1_epi8(0x0f);
+        for (int c = 0; c < 4; c++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+            v[c] = _mm256_and_si256(raw, m4);
+            v[4 + c] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+        }
+    } else {
+        for (int c = 0; c < 8; c++) v[c] = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+    }
 }
 
-/* groups [g0, g1) of y [T, N] for a Q4_0x8 matrix; xq/xd/xs: the T activations' q8 blocks,
- * scales and block sums */
-static void q4x8_range(const uint8_t *W, int64_t nb, int64_t N, const int8_t *xq, const float *xd,
-                       const int32_t *xs, int64_t K, int64_t T, float *y, int64_t g0, int64_t g1) {
+/* the eight rows' integer sums for one token's block, as int32 lanes */
+static inline __attribute__((always_inline)) __m256i x8_block_avx(int qt, const __m256i *v, const int8_t *xb,
+                                                                  int32_t xs) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    int32_t w4[8];
+    memcpy(w4, xb, 32);
+    if (qt == QT_Q4_0) {  /* |each pair| <= 2 * 15 * 127, eight of them <= 30480: no int16 overflow */
+        __m256i s16 = _mm256_maddubs_epi16(v[0], _mm256_set1_epi32(w4[0]));
+        for (int k = 1; k < 8; k++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(v[k], _mm256_set1_epi32(w4[k])));
+        return _mm256_sub_epi32(_mm256_madd_epi16(s16, ones), _mm256_set1_epi32(8 * xs));
+    }
+    __m256i s32 = _mm256_setzero_si256();
+    for (int k = 0; k < 8; k++) {
+        const __m256i xv = _mm256_set1_epi32(w4[k]);
+        s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv),
+                                                                           _mm256_sign_epi8(v[k], xv)), ones));
+    }
+    return s32;
+}
+#endif
+
+/* groups [g0, g1) of y [T, N] for an x8 matrix, tiles of 4 tokens; a: the T activations
+ * (q8 blocks, scales, and for Q4_0 the 16-value sums). Called with a constant qt. */
+static inline __attribute__((always_inline)) void x8_range_t(int qt, const uint8_t *W, int64_t nb, int64_t N,
+                                                             acts_t a, int64_t T, float *y, int64_t g0,
+                                                             int64_t g1) {
+    const int64_t gb = 8 * block_bytes(qt);  /* bytes of one x8 block */
     for (int64_t t0 = 0; t0 < T; t0 += 4) {
         const int rn = T - t0 >= 4 ? 4 : (int)(T - t0);
         for (int64_t g = g0; g < g1; g++) {
-            const uint8_t *base = W + g * nb * 144;
-#ifdef PI_AVX2
-            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-            float o8[4][8];
-            const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *blk = base + b * 144;
-                const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-                __m256i lo[4], hi[4];
-                for (int c = 0; c < 4; c++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
-                    lo[c] = _mm256_and_si256(v, m4);
-                    hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                }
-                for (int j = 0; j < rn; j++) {
-                    const int8_t *xb = xq + (t0 + j) * K + b * QK;
-                    int32_t w4[8];
-                    memcpy(w4, xb, 32);
-                    __m256i s16 = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(w4[0]));
-                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[1], _mm256_set1_epi32(w4[1])));
-                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[2], _mm256_set1_epi32(w4[2])));
-                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[3], _mm256_set1_epi32(w4[3])));
-                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32(w4[4])));
-                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[1], _mm256_set1_epi32(w4[5])));
-                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[2], _mm256_set1_epi32(w4[6])));
-                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[3], _mm256_set1_epi32(w4[7])));
-                    /* |each pair| <= 2 * 15 * 127, eight of them <= 30480: no int16 overflow */
-                    const __m256i s32 = _mm256_sub_epi32(_mm256_madd_epi16(s16, ones),
-                                                         _mm256_set1_epi32(8 * xs[(t0 + j) * nb + b]));
-                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32),
-                                             _mm256_mul_ps(dw, _mm256_set1_ps(xd[(t0 + j) * nb + b])), acc[j]);
-                }
-            }
-            for (int j = 0; j < rn; j++) _mm256_storeu_ps(o8[j], acc[j]);
-            store8(o8, rn, y, N, t0, g);
-#else
+            const uint8_t *base = W + g * nb * gb;
             float acc[4][8] = {{0}};
+#ifdef PI_AVX2
+            __m256 vacc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+#endif
             for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *blk = base + b * 144;
+                const uint8_t *blk = base + b * gb;
+#ifdef PI_AVX2
+                const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+                __m256i v[8];
+                x8_unpack(qt, blk, v);
+#endif
                 for (int j = 0; j < rn; j++) {
+                    const int64_t xb = (t0 + j) * nb + b;  /* the token's block */
+                    const int32_t xs = qt == QT_Q4_0 ? a.s[2 * xb] + a.s[2 * xb + 1] : 0;
+#ifdef PI_AVX2
+                    vacc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(x8_block_avx(qt, v, a.q + xb * QK, xs)),
+                                              _mm256_mul_ps(dw, _mm256_set1_ps(a.d[xb])), vacc[j]);
+#else
                     int32_t d8[8];
-                    q4x8_block_ref(blk, xq + (t0 + j) * K + b * QK, xs[(t0 + j) * nb + b], d8);
-                    for (int i = 0; i < 8; i++)
-                        acc[j][i] += (float)d8[i] * (h2f(rd16(blk + 2 * i)) * xd[(t0 + j) * nb + b]);
+                    x8_block_ref(qt, blk, a.q + xb * QK, xs, d8);
+                    for (int i = 0; i < 8; i++) acc[j][i] += (float)d8[i] * (h2f(rd16(blk + 2 * i)) * a.d[xb]);
+#endif
                 }
             }
-            store8(acc, rn, y, N, t0, g);
-#endif
-        }
-    }
-}
-
-/* y [T, N] = x [T, K] @ W.T for a Q4_0x8 matrix W (N a multiple of 8). */
-void pi_q4x8_gemm(const void *W, int64_t N, int64_t K, const float *x, int64_t T, float *y) {
-    const int64_t nb = K / QK, G = N / 8;
-    const acts_t acts = prepare(QT_Q4_0, x, T, K);
-    int8_t *qbuf = acts.q;
-    float *dbuf = acts.d;
-    int32_t *sbuf = malloc((size_t)(T * nb) * sizeof(int32_t));
-    for (int64_t i = 0; i < T * nb; i++) {
-        int32_t s = 0;
-        for (int e = 0; e < QK; e++) s += qbuf[i * QK + e];
-        sbuf[i] = s;
-    }
-    const int par = G * nb * 144 >= PAR_MIN_BYTES && omp_get_max_threads() > 1;
-    #pragma omp parallel if (par)
-    {
-        int64_t g0, g1;
-        split(G, omp_get_num_threads(), omp_get_thread_num(), &g0, &g1);
-        q4x8_range((const uint8_t *)W, nb, N, qbuf, dbuf, sbuf, K, T, y, g0, g1);
-    }
-    release(acts);
-    free(sbuf);
-}
-
-/* ------------------------------------------------------------------ Q8_0 in 8-row groups
- * "Q8_0x8": for group g and block b, 272 bytes at (g * nb + b) * 272 hold the 8 rows' fp16
- * scales, then 8 chunks of 32 bytes; chunk c holds bytes 4c..4c+3 of each row's 32 values
- * (row i at offset 4i). Signed x signed bytes use the sign trick (|x| times w with x's sign)
- * per chunk; each chunk's int16 pairs go to int32 at once (two chunks could overflow). */
-static void q8x8_range(const uint8_t *W, int64_t nb, int64_t N, const int8_t *xq, const float *xd,
-                       int64_t K, int64_t T, float *y, int64_t g0, int64_t g1) {
-    for (int64_t t0 = 0; t0 < T; t0 += 4) {
-        const int rn = T - t0 >= 4 ? 4 : (int)(T - t0);
-        for (int64_t g = g0; g < g1; g++) {
-            const uint8_t *base = W + g * nb * 272;
 #ifdef PI_AVX2
-            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-            float o8[4][8];
-            const __m256i ones = _mm256_set1_epi16(1);
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *blk = base + b * 272;
-                const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-                for (int j = 0; j < rn; j++) {
-                    const int8_t *xb = xq + (t0 + j) * K + b * QK;
-                    int32_t w4[8];
-                    memcpy(w4, xb, 32);
-                    __m256i s32 = _mm256_setzero_si256();
-                    for (int c = 0; c < 8; c++) {
-                        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
-                        const __m256i xv = _mm256_set1_epi32(w4[c]);
-                        const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(v, xv));
-                        s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(p, ones));
-                    }
-                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32),
-                                             _mm256_mul_ps(dw, _mm256_set1_ps(xd[(t0 + j) * nb + b])), acc[j]);
-                }
-            }
-            for (int j = 0; j < rn; j++) _mm256_storeu_ps(o8[j], acc[j]);
-            store8(o8, rn, y, N, t0, g);
-#else
-            float acc[4][8] = {{0}};
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *blk = base + b * 272;
-                for (int j = 0; j < rn; j++) {
-                    const int8_t *xb = xq + (t0 + j) * K + b * QK;
-                    for (int i = 0; i < 8; i++) {
-                        int32_t sdot = 0;
-                        for (int c = 0; c < 8; c++)
-                            for (int e = 0; e < 4; e++) sdot += (int8_t)blk[16 + 32 * c + 4 * i + e] * xb[4 * c + e];
-                        acc[j][i] += (float)sdot * (h2f(rd16(blk + 2 * i)) * xd[(t0 + j) * nb + b]);
-                    }
-                }
-            }
-            store8(acc, rn, y, N, t0, g);
+            for (int j = 0; j < rn; j++) _mm256_storeu_ps(acc[j], vacc[j]);
 #endif
+            for (int j = 0; j < rn; j++)
+                for (int i = 0; i < 8; i++) y[(t0 + j) * N + 8 * g + i] = acc[j][i];
         }
     }
 }
 
-/* y [T, N] = x [T, K] @ W.T for a Q8_0x8 matrix W (N a multiple of 8). */
-void pi_q8x8_gemm(const void *W, int64_t N, int64_t K, const float *x, int64_t T, float *y) {
+static void x8_range(int qt, const uint8_t *W, int64_t nb, int64_t N, acts_t a, int64_t T, float *y, int64_t g0,
+                     int64_t g1) {
+    if (qt == QT_Q4_0) x8_range_t(QT_Q4_0, W, nb, N, a, T, y, g0, g1);
+    else x8_range_t(QT_Q8_0, W, nb, N, a, T, y, g0, g1);
+}
+
+/* y [T, N] = x [T, K] @ W.T for an x8 Q4_0/Q8_0 matrix W (N a multiple of 8). */
+void pi_x8_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x, int64_t T, float *y) {
     const int64_t nb = K / QK, G = N / 8;
-    const acts_t acts = prepare(QT_Q8_0, x, T, K);
-    const int8_t *qbuf = acts.q;
-    const float *dbuf = acts.d;
-    const int par = G * nb * 272 >= PAR_MIN_BYTES && omp_get_max_threads() > 1;
+    const acts_t acts = prepare(qt, x, T, K);
+    const int par = G * nb * 8 * block_bytes(qt) >= PAR_MIN_BYTES && omp_get_max_threads() > 1;
     #pragma omp parallel if (par)
     {
         int64_t g0, g1;
         split(G, omp_get_num_threads(), omp_get_thread_num(), &g0, &g1);
-        q8x8_range((const uint8_t *)W, nb, N, qbuf, dbuf, K, T, y, g0, g1);
+        x8_range(qt, (const uint8_t *)W, nb, N, acts, T, y, g0, g1);
     }
     release(acts);
 }
