@@ -12,7 +12,7 @@ from powerinfer.formats.gguf_file import open_gguf
 from powerinfer.formats.predictor import LayerPredictor, save_predictor_dir
 from powerinfer.runtime import kernels
 from powerinfer.runtime.model import Transformer
-from powerinfer.runtime.weights import compute_dtype, cpu_has_bf16, is_mapped
+from powerinfer.runtime.weights import compute_dtype, is_mapped
 
 from helpers import all_active_predictors, make_tiny_llama, teacher_forced
 
@@ -123,7 +123,35 @@ def test_dtype_auto_picks_bf16_only_with_native_bf16_dot_products():
     assert compute_dtype("auto", set()) == torch.float32
     assert compute_dtype("f32", {"avx512_bf16"}) == torch.float32
     assert compute_dtype("bf16", set()) == torch.bfloat16
-    assert compute_dtype("auto") == (torch.bfloat16 if cpu_has_bf16() else torch.float32)
+
+
+def test_dtype_auto_without_flags_reads_the_machine_flags(monkeypatch):
+    """``compute_dtype("auto")`` with no flags must consult /proc/cpuinfo's flags (x86) or
+    Features (Arm): a fake cpuinfo decides the answer, both ways."""
+    import io
+
+    from powerinfer import hardware
+
+    def fake_cpuinfo(text):
+        monkeypatch.setattr(hardware, "open", lambda *a, **k: io.StringIO(text), raising=False)
+        hardware.cpu_flags.cache_clear()
+
+    try:
+        monkeypatch.setattr(hardware.platform, "machine", lambda: "x86_64")
+        fake_cpuinfo("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n")
+        assert hardware.cpu_flags() == {"fpu", "sse2", "avx2", "avx512f", "avx512_bf16"}
+        assert compute_dtype("auto") == torch.bfloat16
+        fake_cpuinfo("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma f16c\n")
+        assert compute_dtype("auto") == torch.float32
+        fake_cpuinfo("processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n")  # Arm names it bf16, not avx512_bf16
+        assert compute_dtype("auto") == torch.float32  # ... but this machine claims to be x86
+        monkeypatch.setattr(hardware.platform, "machine", lambda: "aarch64")
+        assert compute_dtype("auto") == torch.bfloat16
+        fake_cpuinfo("processor\t: 0\n")  # no flags line at all
+        assert hardware.cpu_flags() == frozenset() and compute_dtype("auto") == torch.float32
+    finally:
+        monkeypatch.undo()
+        hardware.cpu_flags.cache_clear()
 
 
 # ---------------------------------------------------------------------------- memory

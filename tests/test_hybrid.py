@@ -83,18 +83,38 @@ def test_mask_of_the_wrong_length_is_refused(sparse_file):
 
 
 def test_offload_builds_index_and_splits(sparse_file, tmp_path):
+    """A budget for about one layer's neurons: some neurons on each side, the same output as the CPU run."""
     import shutil
 
+    from powerinfer.convert.gpu_index import GIB, dense_vram_bytes
+    from powerinfer.convert.placement import neuron_bytes
     from powerinfer.formats.activation import save_activation_dir
     from powerinfer.runtime.hybrid import HybridFFN, offload
     path, L, n_ff = sparse_file
     p = tmp_path / path.name
     shutil.copy(path, p)
-    save_activation_dir(tmp_path / "activation", [torch.arange(n_ff, dtype=torch.int64) for _ in range(L)])
+    # later layers hotter, and within a layer the higher index, so the solver has one clear order
+    save_activation_dir(tmp_path / "activation", [torch.arange(n_ff, dtype=torch.int64) * (i + 1) for i in range(L)])
     m = Transformer(open_gguf(p))
-    msg = offload(m, p, 1.0, device="cpu")
+    g = open_gguf(p)
+    budget = (dense_vram_bytes(g, m.n_ctx) + n_ff * neuron_bytes(g.require("llama.embedding_length"), "f32", True)) / GIB
+    msg = offload(m, p, budget, device="cpu")
     assert "built" in msg and all(isinstance(l.ffn, HybridFFN) for l in m.layers)
-    assert "reused" in offload(Transformer(open_gguf(p)), p, 1.0, device="cpu")
+    n_gpu = [l.ffn.gpu_ids.numel() for l in m.layers]
+    assert 0 < sum(n_gpu) <= n_ff < L * n_ff, n_gpu  # both sides hold neurons ...
+    assert any(0 < k < n_ff for k in n_gpu), n_gpu  # ... and at least one layer is itself split
+    for l in m.layers:  # the GPU side holds the hottest neurons of its layer (here: the top indices)
+        assert torch.equal(l.ffn.gpu_ids, torch.arange(n_ff - l.ffn.gpu_ids.numel(), n_ff))
+    prompt = [1, 403, 407, 261, 378, 432, 383, 286]
+    ref_logits, ref_tokens, ref_share = _run(p, None, prompt, 24)
+    with torch.inference_mode():
+        logits = m.forward(torch.tensor(prompt), 0, all_logits=True)
+    m2 = Transformer(open_gguf(p))
+    assert "reused" in offload(m2, p, budget, device="cpu")
+    assert [l.ffn.gpu_ids.numel() for l in m2.layers] == n_gpu
+    tokens = generate(m2, prompt, 24, SamplerSettings(temp=0.0)).token_ids
+    assert (logits - ref_logits).abs().max().item() <= 1e-4
+    assert tokens == ref_tokens and m2.active_share() == pytest.approx(ref_share)
 
 
 def test_pi_run_without_cuda_warns_and_runs_on_cpu(sparse_file, caplog):
