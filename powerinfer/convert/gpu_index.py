@@ -8,11 +8,14 @@ hottest neurons by :func:`powerinfer.convert.placement.place_neurons` using the
 honest per-neuron cost (the bytes of its gate/up/down rows, no fudge factors).
 
 An index is reused only if it was built for this exact model file (identity of
-its header), this layer count and ``n_ff``, and this budget; otherwise it is
-rebuilt (upstream kept a stale index after a budget change).
+its header), this layer count and ``n_ff``, this budget, and the activation counts
+now in the activation folder with the same chunk and per-layer minimum (a digest of
+them, :func:`placement_inputs_id`, is stored in the index); otherwise it is rebuilt
+(upstream kept a stale index after a budget change, and after a re-profile).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +25,8 @@ import numpy as np
 from ..errors import PowerInferError
 from ..formats.activation import load_activation_dir
 from ..formats.gguf_file import GGUFFile, open_gguf
-from ..formats.gpuidx import default_index_path, model_identity, read_gpu_index, write_gpu_index
+from ..formats.gpuidx import (KEY_ACTIVATION, default_index_path, model_identity, read_gpu_index,
+                              write_gpu_index)
 from .placement import neuron_bytes, place_neurons
 
 log = logging.getLogger(__name__)
@@ -60,6 +64,18 @@ def dense_vram_bytes(g: GGUFFile, n_ctx: int) -> int:
     return tensors + kv
 
 
+def placement_inputs_id(counts: list, chunk: int, min_share: float) -> str:
+    """A digest of what a placement is solved from besides the budget: the per-layer
+    activation counts (values and lengths, as int64) and the solver's ``chunk`` and
+    ``min_share``. Equal inputs give equal strings; any changed count gives another."""
+    h = hashlib.sha256(f"chunk={int(chunk)};min_share={float(min_share)!r}".encode())
+    for c in counts:
+        a = np.ascontiguousarray(np.asarray(c.detach().cpu() if hasattr(c, "detach") else c, dtype=np.int64))
+        h.update(f";{a.size}:".encode())
+        h.update(a.tobytes())
+    return f"sha256={h.hexdigest()[:32]}"
+
+
 def ffn_row_type(g: GGUFFile) -> str:
     t = g.tensors.get("blk.0.ffn_up.weight")
     if t is None:
@@ -76,11 +92,13 @@ def ensure_gpu_index(model_path: str | Path, vram_budget_gib: float, activation_
     """The GPU neuron masks for ``model_path`` under ``vram_budget_gib`` GiB.
 
     Reuses ``<model>.generated.gpuidx`` when it matches (model, n_layer, n_ff,
-    budget) unless ``reset``; otherwise solves from ``activation_dir`` (default:
-    ``activation/`` beside the model file) and writes the index atomically.
-    Returns None, with a warning, when there is no activation folder (the FFN
-    then runs on the CPU). Raises PowerInferError for a negative budget or one
-    too small for the dense tensors and KV cache.
+    budget, and the digest of the counts in ``activation_dir`` with ``chunk`` and
+    ``min_share``) unless ``reset``; otherwise solves from ``activation_dir`` (default:
+    ``activation/`` beside the model file) and writes the index atomically. Without
+    an activation folder an existing matching index is reused as it is (there is
+    nothing newer to compare it with); with none either, returns None with a warning
+    (the FFN then runs on the CPU). Raises PowerInferError for a negative budget, one
+    too small for the dense tensors and KV cache, or an unreadable activation folder.
     """
     model_path = Path(model_path)
     if vram_budget_gib < 0:
@@ -100,20 +118,25 @@ def ensure_gpu_index(model_path: str | Path, vram_budget_gib: float, activation_
     ffn_budget = budget - dense
     index_path = default_index_path(model_path)
     mid = model_identity(g)
+    act_dir = Path(activation_dir) if activation_dir is not None else model_path.parent / "activation"
+    counts = load_activation_dir(act_dir, n_layer=n_layer, n_ff=n_ff) if act_dir.is_dir() else None
+    inputs_id = None if counts is None else placement_inputs_id(counts, chunk, min_share)
     if index_path.exists() and not reset:
         try:
             ix = read_gpu_index(index_path, n_layer=n_layer, n_ff=n_ff, model_id=mid, vram_capacity=ffn_budget)
-            return GpuPlan(ix.gpu, index_path, True, ffn_budget, f"reused {index_path}")
+            built_from = ix.meta.get(KEY_ACTIVATION)
+            if inputs_id is None or built_from == inputs_id:
+                return GpuPlan(ix.gpu, index_path, True, ffn_budget, f"reused {index_path}")
+            log.warning("rebuilding the GPU index %s: it was solved from other activation counts or solver "
+                        "settings than %s now holds (chunk %d, min share %g)", index_path, act_dir, chunk, min_share)
         except PowerInferError as e:
             log.warning("rebuilding the GPU index: %s", e)
-    act_dir = Path(activation_dir) if activation_dir is not None else model_path.parent / "activation"
-    if not act_dir.is_dir():
+    if counts is None:
         log.warning("%s: no activation folder, so no neuron placement: the FFN runs on the CPU "
                     "(profile the model with pi-profile, or pass --activation)", act_dir)
         return None
-    counts = load_activation_dir(act_dir, n_layer=n_layer, n_ff=n_ff)
     gated = "blk.0.ffn_gate.weight" in g.tensors
     p = place_neurons(counts, ffn_budget, neuron_bytes(n_embd, ffn_row_type(g), gated),
                       chunk=chunk, min_share=min_share)
-    write_gpu_index(index_path, p, ffn_budget, model_id=mid)
+    write_gpu_index(index_path, p, ffn_budget, model_id=mid, activation_id=inputs_id)
     return GpuPlan(p.gpu, index_path, False, ffn_budget, p.summary())

@@ -64,6 +64,7 @@ KEY_CHUNK = "powerinfer.gpu_index.chunk"
 KEY_NEURONS = "powerinfer.gpu_index.neurons"
 KEY_BYTES = "powerinfer.gpu_index.bytes_used"
 KEY_SOLVER = "powerinfer.gpu_index.solver"
+KEY_ACTIVATION = "powerinfer.gpu_index.activation_id"  # digest of the placement inputs (counts, chunk)
 
 
 class GpuIndexMismatch(PowerInferError):
@@ -130,6 +131,7 @@ def write_gpu_index(
     vram_capacity: int,
     *,
     model_id: str | None = None,
+    activation_id: str | None = None,
     upstream_types: bool = True,
 ) -> Path:
     """Write a GPU index atomically (temp file + rename) in upstream's layout.
@@ -138,7 +140,8 @@ def write_gpu_index(
     bool/0-1 array ``[n_ff_l]``. ``vram_capacity``: bytes, stored as ``split.vram_capacity``
     (u64; upstream stores the budget the index was solved for). ``model_id``: from
     :func:`model_identity`, stored so :func:`read_gpu_index` can reject an index of another
-    model. ``upstream_types``: write type id 18 (upstream's I32; default) or 26.
+    model. ``activation_id``: digest of the activation counts the placement was solved from,
+    stored so a caller can tell a stale index after re-profiling. ``upstream_types``: write type id 18 (upstream's I32; default) or 26.
 
     Raises PowerInferError for no layers, a non 1-D or non 0/1 mask, or a negative or
     too-large ``vram_capacity``.
@@ -159,6 +162,8 @@ def write_gpu_index(
         w.add_uint32(KEY_N_FF, int(masks[0].size))
         if model_id is not None:
             w.add_string(KEY_MODEL, str(model_id))
+        if activation_id is not None:
+            w.add_string(KEY_ACTIVATION, str(activation_id))
         w.add_uint64(KEY_NEURONS, int(sum(int(g.sum()) for g in masks)))
         for key, (kind, value) in extra.items():
             getattr(w, f"add_{kind}")(key, value)
@@ -282,7 +287,7 @@ def read_gpu_index(
             raise PowerInferError(f"{path}: blk.{i}.gpu_bucket does not list the GPU neurons of blk.{i}.gpu_idx")
         gpu.append(g)
         buckets.append(bucket)
-    meta = {k: f.get(k) for k in (KEY_N_FF, KEY_CHUNK, KEY_NEURONS, KEY_BYTES, KEY_SOLVER) if f.get(k) is not None}
+    meta = {k: f.get(k) for k in (KEY_N_FF, KEY_CHUNK, KEY_NEURONS, KEY_BYTES, KEY_SOLVER, KEY_ACTIVATION) if f.get(k) is not None}
     index = GpuIndex(path, gpu, buckets, int(vram), f.get(KEY_MODEL), raw_types, meta)
     _check_expected(index, n_layer, n_ff, model_id, vram_capacity)
     return index
