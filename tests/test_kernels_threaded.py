@@ -1,0 +1,168 @@
+"""The C kernels' multi-threaded branches against plain torch.
+
+Below ``PAR_MIN`` weights (``kernels.c``, 2**18) or ``PAR_MIN_BYTES`` weight bytes
+(``qkernels.c``, 2**17; 2**19 for row dequantization) a call runs on the calling thread, and
+every other kernel test stays below that. Here each operation is sized above its threshold
+and run with ``torch.set_num_threads(2)`` (the kernels share torch's OpenMP runtime), on the
+native and the portable scalar build. Row-parallel kernels (each output row computed by one
+thread, whole) must also equal the one-thread result bit for bit.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from powerinfer.runtime import kernels
+
+from test_qkernels import close, make, reference
+
+PAR_MIN = 1 << 18  # kernels.c
+PAR_MIN_BYTES = 1 << 17  # qkernels.c
+
+
+@pytest.fixture(params=["native", "scalar"])
+def threaded(request):
+    """The C backend (native or scalar build) with two OpenMP threads, one-thread runs on demand."""
+    try:
+        kernels.set_backend("c")
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    saved_lib, saved_threads = kernels._state["lib"], torch.get_num_threads()
+    if request.param == "scalar":
+        kernels._state["lib"] = kernels._build(native=False)
+    torch.set_num_threads(2)
+    # the kernels' own view of the team size: the threaded branches need more than one thread
+    assert kernels._state["lib"].omp_get_max_threads() == 2
+
+    def one_thread(fn):
+        torch.set_num_threads(1)
+        try:
+            return fn()
+        finally:
+            torch.set_num_threads(2)
+
+    yield one_thread
+    torch.set_num_threads(saved_threads)
+    kernels._state["lib"] = saved_lib
+    kernels.set_backend("auto")
+
+
+def _tol(dtype: torch.dtype) -> float:
+    return 1e-5 if dtype == torch.float32 else 2e-2
+
+
+def _assert_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    scale = max(1.0, ref.abs().max().item())
+    assert (got.double() - ref.double()).abs().max().item() <= _tol(dtype) * scale
+
+
+# ---------------------------------------------------------------------------- f32 / bf16
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_threaded_gathered_rows_and_axpy_equal_torch(threaded, dtype):
+    g = torch.Generator().manual_seed(5)
+    n_ff, d = 1300, 520  # d not a multiple of 32: the threads' slices end in a tail
+    gate, up, down_t = (torch.randn(n_ff, d, generator=g).to(dtype) for _ in range(3))
+    x = torch.randn(d, generator=g).to(dtype)
+    idx = (torch.rand(n_ff, generator=g) < 0.5).nonzero().view(-1)
+    assert idx.numel() * d >= PAR_MIN
+    g_ref, u_ref = gate.double()[idx] @ x.double(), up.double()[idx] @ x.double()
+    rg, ru = kernels.rows_dot(x, idx, gate, up)
+    _assert_close(rg, g_ref, dtype)
+    _assert_close(ru, u_ref, dtype)
+    assert all(torch.equal(a, b) for a, b in zip((rg, ru), threaded(lambda: kernels.rows_dot(x, idx, gate, up))))
+    # a silent gate leaves its up product 0 (row not read); the others are computed
+    rg0, ru0 = kernels.rows_dot(x, idx, gate, up, gmin=0.0)
+    assert torch.equal(rg0, rg) and torch.equal(ru0[rg > 0], ru[rg > 0]) and (ru0[rg <= 0] == 0).all()
+    coef = torch.relu(rg) * ru  # about half the coefficients are exactly 0
+    out = kernels.rows_axpy(idx, down_t, coef)
+    ref = coef.double() @ down_t.double()[idx]
+    assert out.shape == (d,)
+    _assert_close(out, ref, dtype)
+    _assert_close(threaded(lambda: kernels.rows_axpy(idx, down_t, coef)), out, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_threaded_linear_and_predict_equal_torch(threaded, dtype):
+    g = torch.Generator().manual_seed(6)
+    w, b = torch.randn(700, 520, generator=g).to(dtype), torch.randn(700, generator=g).to(dtype)
+    x = torch.randn(1, 520, generator=g).to(dtype)
+    assert w.numel() >= PAR_MIN
+    got = kernels.linear(x, w, b)
+    _assert_close(got, x.double() @ w.double().T + b.double(), dtype)
+    assert torch.equal(got, threaded(lambda: kernels.linear(x, w, b)))
+    fc1, fc2 = torch.randn(64, 520, generator=g).to(dtype), torch.randn(4200, 64, generator=g).to(dtype)
+    assert fc2.numel() >= PAR_MIN
+    logits = torch.relu(x.double() @ fc1.double().T) @ fc2.double().T
+    mask = kernels.predict(x, fc1, fc2, 0.5)
+    clear = (logits - 0.5).abs() > _tol(dtype) * logits.abs().max()  # ignore logits rounding can flip
+    assert mask.shape == (1, 4200) and torch.equal(mask[clear], (logits >= 0.5)[clear])
+    assert torch.equal(mask, threaded(lambda: kernels.predict(x, fc1, fc2, 0.5)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_head,n_head_kv,head_dim,n_pos", [(16, 4, 64, 100), (12, 12, 48, 130)])
+def test_threaded_decode_attention_equals_sdpa(threaded, dtype, n_head, n_head_kv, head_dim, n_pos):
+    g = torch.Generator().manual_seed(n_pos)
+    cache_k, cache_v = (torch.randn(256, n_head_kv, head_dim, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(n_head, head_dim, generator=g).to(dtype)
+    k, v = cache_k[7:7 + n_pos], cache_v[7:7 + n_pos]
+    assert n_head * n_pos * head_dim >= PAR_MIN // 4
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double()[:, None], k.double().transpose(0, 1), v.double().transpose(0, 1), enable_gqa=True)[:, 0]
+    got = kernels.attend_one(q, k, v)
+    assert got.shape == (n_head, head_dim) and got.dtype == dtype
+    _assert_close(got, ref, dtype)
+    assert torch.equal(got, threaded(lambda: kernels.attend_one(q, k, v)))  # heads split whole
+
+
+# ---------------------------------------------------------------------------- quantized
+QTYPES = ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "F16"]
+
+
+@pytest.mark.parametrize("name", QTYPES)
+@pytest.mark.parametrize("T", [1, 4])
+def test_threaded_quantized_linear_equals_reference(threaded, name, T):
+    w = make(name, 1024, 512, seed=3)
+    assert w.raw.numel() >= PAR_MIN_BYTES
+    x = torch.randn(T, 512, generator=torch.Generator().manual_seed(T))
+    y = kernels.linear(x, w)
+    assert close(y, reference(w, x))
+    assert torch.equal(y, threaded(lambda: kernels.linear(x, w)))
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("T", [1, 5])
+def test_threaded_8_row_groups_equal_reference(threaded, name, T):
+    w = make(name, 1024, 512, seed=4)
+    x8 = kernels.for_dense_products(w)
+    assert x8.layout == "x8"
+    x = torch.randn(T, 512, generator=torch.Generator().manual_seed(10 + T))
+    y = kernels.linear(x, x8)
+    assert close(y, reference(w, x))
+    assert torch.equal(y, threaded(lambda: kernels.linear(x, x8)))
+
+
+@pytest.mark.parametrize("name", QTYPES)
+def test_threaded_quantized_sparse_rows_and_axpy_equal_reference(threaded, name):
+    gate, up, down_t = make(name, 2400, 512, 0), make(name, 2400, 512, 1), make(name, 2400, 512, 2)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(512, generator=g)
+    idx = (torch.rand(2400, generator=g) < 0.5).nonzero().view(-1)
+    assert idx.numel() * gate.raw.shape[1] >= PAR_MIN_BYTES
+    rg, ru = kernels.rows_dot(x, idx, gate, up)
+    assert close(rg, reference(gate, x[None])[0][idx]) and close(ru, reference(up, x[None])[0][idx])
+    assert all(torch.equal(a, b) for a, b in zip((rg, ru), threaded(lambda: kernels.rows_dot(x, idx, gate, up))))
+    coef = torch.relu(rg) * ru
+    assert int((coef != 0).sum()) * down_t.raw.shape[1] >= PAR_MIN_BYTES
+    out = kernels.rows_axpy(idx, down_t, coef)
+    assert close(out, coef.double() @ down_t.dequantize().double()[idx])
+    assert close(threaded(lambda: kernels.rows_axpy(idx, down_t, coef)), out.double())
+
+
+@pytest.mark.parametrize("name", QTYPES)
+def test_threaded_dequantized_rows_equal_gguf_reference_bit_for_bit(threaded, name):
+    w = make(name, 2300, 512, seed=8)
+    assert w.raw.numel() >= 4 * PAR_MIN_BYTES
+    assert torch.equal(kernels.dequant_rows(w, 0, 2300), w.dequantize())
+    ids = torch.randint(0, 2300, (2100,), generator=torch.Generator().manual_seed(9))
+    assert torch.equal(kernels.embed(w, ids), w.dequantize()[ids])
