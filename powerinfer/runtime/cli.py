@@ -17,15 +17,13 @@ import torch
 
 from .. import __version__
 from ..errors import PowerInferError, cli_errors
-from ..formats.gguf_file import open_gguf
 from . import kernels
 from .generate import GenStats, SamplerSettings, decode_bytes_per_token, generate
-from .hybrid import offload
+from .loading import SMALL_MODEL_BYTES, check_threads, default_threads, load_model, open_for_inference  # noqa: F401
 from .model import Transformer
-from .tokenizer import GGUFTokenizer, TextStream
-from .weights import DTYPES, compute_dtype
+from .tokenizer import TextStream
+from .weights import DTYPES
 
-SMALL_MODEL_BYTES = 64 << 20  # below this many weight bytes per token, one thread is fastest
 MAX_PROMPT_FILE_BYTES = 16 << 20  # -f: larger files are refused
 SEED_MAX = 2**63 - 1
 
@@ -87,27 +85,10 @@ def format_bytes(nb: float) -> str:
     return f"{nb / 1e6:.2f} MB" if nb >= 1e5 else f"{nb / 1e3:.1f} KB"
 
 
-def check_threads(threads: int) -> int:
-    """``-t``: 0 (automatic) up to 4 x the CPU count; raises PowerInferError otherwise."""
-    import os
-
-    top = 4 * (os.cpu_count() or 1)
-    if not 0 <= threads <= top:
-        raise PowerInferError(f"-t {threads}: must be between 0 (automatic) and {top} (4 x the {os.cpu_count()} CPUs)")
-    return threads
 
 
-def load_model(path: str, dtype: str = "f32", dense: bool = False, n_ctx: int | None = None):
-    """Open ``path`` and build the runtime model and its tokenizer (``dtype``: auto, bf16, f32)."""
-    g = open_gguf(path)
-    model = Transformer(g, compute_dtype(dtype), dense=dense, n_ctx=n_ctx)
-    return model, GGUFTokenizer(g)
 
 
-def default_threads(model: Transformer) -> int:
-    """1 for small models (per-token work is too short to split), else torch's default
-    (the physical cores)."""
-    return 1 if decode_bytes_per_token(model, 1.0) < SMALL_MODEL_BYTES else torch.get_num_threads()
 
 
 def _threads() -> str:
@@ -173,38 +154,47 @@ def bench_report(model: Transformer, st: GenStats, path: str) -> str:
 @click.option("--kernels", "kernel_backend", type=click.Choice(["auto", "c", "torch"]), default=None,
               help="Decode kernels: c (compiled once, fastest), torch (plain torch ops); "
                    "default auto, or $POWERINFER_KERNELS.")
+@click.option("-cnv", "--conversation", is_flag=True,
+              help="Chat in the terminal with the model's chat template (ChatML when the file has none); "
+                   "-p or -sys is the system prompt. The KV cache is kept between turns; Ctrl-C stops a reply, "
+                   "Ctrl-D or Ctrl-C at the prompt ends the chat.")
+@click.option("-i", "--interactive", is_flag=True,
+              help="Continue the prompt, then read a line, append it, continue again (plain text, no template).")
+@click.option("-sys", "--system-prompt", default=None, help="The system message for -cnv.")
 @click.option("--bench", is_flag=True,
               help="Greedy, ignore EOS, no text: report tokens/s, FFN share of decode time, active share.")
 @click.version_option(__version__, "--version", prog_name="pi-run", message="%(prog)s (powerinfer) %(version)s")
 @cli_errors
 def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_p, repeat_penalty, repeat_last_n,
          seed, ignore_eos, threads, dense, vram_budget, activation_dir, reset_gpu_index, disable_gpu_index, dtype,
-         kernel_backend, bench):
+         kernel_backend, conversation, interactive, system_prompt, bench):
     """Generate text with sparse FFNs: only the neurons the predictor marks active are computed."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     check_sampler(n_predict, temp, top_k, top_p, seed, repeat_penalty, repeat_last_n)
-    if ctx_size < 0:
-        raise PowerInferError(f"-c {ctx_size}: must be >= 0 (0: the model's context length)")
-    check_threads(threads)
     if prompt_file is not None:
         if click.get_current_context().get_parameter_source("prompt") == click.core.ParameterSource.COMMANDLINE:
             raise PowerInferError("-p and -f: give the prompt one way, not both")
         prompt = read_prompt_file(prompt_file)
     else:
         check_text(prompt, "-p")
-    if kernel_backend is not None:
-        try:
-            kernels.set_backend(kernel_backend)
-        except RuntimeError as e:
-            raise PowerInferError(f"--kernels c: {e}") from None
-    model, tok = load_model(model_path, dtype, dense, ctx_size or None)
-    if ctx_size > model.n_ctx:
-        click.echo(f"note: -c {ctx_size} is more than the model's context length; using {model.n_ctx}", err=True)
-    torch.set_num_threads(threads or default_threads(model))
-    if vram_budget is not None and not disable_gpu_index:
-        summary = offload(model, model_path, vram_budget, activation_dir, reset_gpu_index)
-        if summary is not None:
-            click.echo(summary, err=True)
+    if conversation and interactive:
+        raise PowerInferError("-cnv and -i: choose one (-cnv chats with the model's template, -i continues plain text)")
+    if (conversation or interactive) and bench:
+        raise PowerInferError("--bench runs without input: it cannot be combined with -cnv or -i")
+    if system_prompt is not None:
+        if not conversation:
+            raise PowerInferError("-sys: a system prompt is for chat mode (-cnv)")
+        check_text(system_prompt, "-sys")
+    model, tok = open_for_inference(
+        model_path, dtype=dtype, dense=dense, ctx_size=ctx_size, threads=threads, kernel_backend=kernel_backend,
+        vram_budget=vram_budget, activation_dir=activation_dir, reset_gpu_index=reset_gpu_index,
+        disable_gpu_index=disable_gpu_index, note=lambda s: click.echo(s, err=True))
+    sampler = SamplerSettings(temp, top_k, top_p, seed, repeat_penalty, repeat_last_n)
+    if conversation:
+        src = click.get_current_context().get_parameter_source("prompt")
+        system = system_prompt if system_prompt is not None else (
+            prompt if src == click.core.ParameterSource.COMMANDLINE or prompt_file is not None else None)
+        return run_chat(model, tok, sampler, n_predict, system, ignore_eos)
     ids = tok.encode(prompt)
     if len(ids) >= model.n_ctx:
         hint = (f"shorten it or raise -c up to the model's context length {model.max_ctx}"
@@ -214,6 +204,10 @@ def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_
         st = generate(model, ids, n_predict, SamplerSettings(temp=0.0), None)
         sys.stdout.write(bench_report(model, st, model_path))
         return
+    if interactive:
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+        return run_interactive(model, tok, ids, sampler, n_predict, ignore_eos)
     stream = TextStream(tok, ids)
     out = sys.stdout
     out.write(prompt)
@@ -223,7 +217,6 @@ def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_
         out.write(stream.push(t))
         out.flush()
 
-    sampler = SamplerSettings(temp, top_k, top_p, seed, repeat_penalty, repeat_last_n)
     eos = None if ignore_eos else tok.eos_id
     late = () if ignore_eos or tok.bos_id is None else (tok.bos_id,)
     st = generate(model, ids, n_predict, sampler, eos, on_token, stop_after_first=late)
@@ -242,6 +235,49 @@ def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_
         err.write(f"FFN share of decode time: {100 * st.ffn_share:.1f}% (predictor {100 * st.predict_share:.1f}%)\n")
     if st.active_share is not None:
         err.write(f"FFN neurons computed: {100 * st.active_share:.1f}% of n_ff on average (predicted active)\n")
+
+
+def _read_line(prompt: str) -> str:
+    try:
+        import readline  # noqa: F401 (line editing and history for input(), where available)
+    except ImportError:
+        pass
+    return input(prompt)
+
+
+def _summary(log, model) -> None:
+    n_eval = sum(t.n_prompt for t in log.turns)
+    n_reused = sum(t.n_reused for t in log.turns)
+    n_gen = sum(t.n_gen for t in log.turns)
+    t_gen = sum(t.t_gen for t in log.turns)
+    n_steps = sum(t.n_eval for t in log.turns)
+    tps = f", {n_steps / t_gen:.1f} tokens/s" if t_gen > 0 and n_steps else ""
+    sys.stderr.write(f"\n{len(log.turns)} turns: {n_eval} prompt tokens evaluated, {n_reused} reused from the "
+                     f"KV cache, {n_gen} generated{tps} ({'dense' if model.dense else 'sparse'})\n")
+
+
+def run_chat(model, tok, sampler, n_predict, system, ignore_eos) -> None:
+    """``-cnv``: the terminal chat (see :mod:`powerinfer.runtime.interactive`)."""
+    from .chat import template_for
+    from .interactive import chat_loop
+    from .session import Session
+
+    template = template_for(tok)
+    if template.is_default:
+        sys.stderr.write("note: this model has no chat template (tokenizer.chat_template); using ChatML\n")
+    log = chat_loop(Session(model, tok), template, sampler, n_predict, _read_line, sys.stdout, sys.stderr,
+                    system=system, ignore_eos=ignore_eos)
+    _summary(log, model)
+
+
+def run_interactive(model, tok, ids, sampler, n_predict, ignore_eos) -> None:
+    """``-i``: plain-text continuation turn by turn."""
+    from .interactive import interactive_loop
+    from .session import Session
+
+    log = interactive_loop(Session(model, tok), ids, sampler, n_predict, _read_line, sys.stdout, sys.stderr,
+                           ignore_eos=ignore_eos)
+    _summary(log, model)
 
 
 if __name__ == "__main__":

@@ -64,7 +64,8 @@ def sample(logits: torch.Tensor, s: SamplerSettings, gen: torch.Generator | None
 
 @dataclass
 class GenStats:
-    n_prompt: int = 0
+    n_prompt: int = 0  # prompt tokens evaluated
+    n_reused: int = 0  # prompt tokens found in the KV cache (not evaluated)
     n_gen: int = 0
     n_eval: int = 0  # decode forward passes timed in t_gen
     t_prompt: float = 0.0  # seconds
@@ -77,7 +78,8 @@ class GenStats:
     t_predict: float = 0.0  # seconds in predictors during decode passes
     decode_active_share: float | None = None  # active share over decode tokens only
     decode_fired_share: float | None = None  # share of neurons with a non-zero activation, decode tokens
-    stop: str = ""  # why generation ended: "n_predict", "eos" (an end token), "context" (the context is full)
+    stop: str = ""  # why generation ended: "n_predict", "eos" (an end token), "context" (the context is full),
+    # "cancelled" (should_stop said so)
 
     @property
     def ffn_share(self) -> float:
@@ -142,11 +144,17 @@ def decode_bytes_per_token(model: Transformer, active_share: float | None = None
 
 def generate(model: Transformer, prompt_ids: list[int], n_predict: int, sampler: SamplerSettings,
              eos_id: int | None = None, on_token: Callable[[int], None] | None = None,
-             stop_after_first: Sequence[int] = ()) -> GenStats:
+             stop_after_first: Sequence[int] = (), n_past: int = 0,
+             should_stop: Callable[[], bool] | None = None) -> GenStats:
     """Generate up to ``n_predict`` tokens after ``prompt_ids`` (``n_predict < 0``: until an end
     token or the context end). Stops at ``eos_id`` and, from the second generated token on, at any
     id of ``stop_after_first`` (BOS for llama2.c-style models, which emit it between stories);
     the end token is neither kept nor passed to ``on_token``. ``GenStats.stop`` says why it stopped.
+
+    ``n_past``: the first ``n_past`` prompt tokens are already in the KV cache at positions
+    ``0..n_past-1`` (a reused prefix); only the rest is evaluated (at least one token is).
+    ``should_stop``: asked after each token; True ends generation (``stop = "cancelled"``).
+    After the call the KV cache holds ``prompt_ids + token_ids[:n_eval]``.
 
     Raises PowerInferError if the prompt is empty or does not fit in the context.
     """
@@ -155,6 +163,7 @@ def generate(model: Transformer, prompt_ids: list[int], n_predict: int, sampler:
     if len(prompt_ids) >= model.n_ctx:
         raise PowerInferError(f"the prompt has {len(prompt_ids)} tokens, more than the context length "
                               f"{model.n_ctx} allows (at least one must be left to generate)")
+    n_past = max(0, min(n_past, len(prompt_ids) - 1))
     gen = None
     if sampler.temp > 0:
         gen = torch.Generator()
@@ -165,10 +174,10 @@ def generate(model: Transformer, prompt_ids: list[int], n_predict: int, sampler:
     history = list(prompt_ids) if penalty != 1.0 and last_n > 0 else None
     late_stops = set(stop_after_first)
     kernels.backend()  # chooses (and on first use compiles) the kernels, outside the prompt's time
-    st = GenStats(n_prompt=len(prompt_ids))
+    st = GenStats(n_prompt=len(prompt_ids) - n_past, n_reused=n_past)
     with torch.inference_mode():
         t0 = time.perf_counter()
-        logits = model.forward(torch.tensor(prompt_ids, dtype=torch.long), 0)
+        logits = model.forward(torch.tensor(prompt_ids[n_past:], dtype=torch.long), n_past)
         st.t_prompt = time.perf_counter() - t0
         pos = len(prompt_ids)
         c0 = ffn_counters(model)
@@ -186,6 +195,9 @@ def generate(model: Transformer, prompt_ids: list[int], n_predict: int, sampler:
             if on_token is not None:
                 on_token(tok)
             if len(st.token_ids) == n_predict:
+                break
+            if should_stop is not None and should_stop():
+                st.stop = "cancelled"
                 break
             if pos >= model.n_ctx:
                 st.stop = "context"

@@ -19,7 +19,7 @@ from typing import Sequence
 from ..errors import PowerInferError
 from ..formats.gguf_file import GGUFFile
 
-_BYTE, _UNKNOWN, _CONTROL = 6, 2, 3
+_BYTE, _UNKNOWN, _CONTROL, _USER_DEFINED = 6, 2, 3, 4
 
 
 class GGUFTokenizer:
@@ -51,20 +51,60 @@ class GGUFTokenizer:
         else:
             raise PowerInferError(f"{g.path}: tokenizer model {model!r} is not supported (llama, gpt2)")
         self.control_ids = {i for i, t in enumerate(types) if t == _CONTROL}
+        self.special_ids = {i for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED)}  # parse_special
+        self._special_re = None  # built on first use by _split_special
+        self.chat_template: str | None = g.get("tokenizer.chat_template")
 
     @property
     def n_vocab(self) -> int:
         return len(self.tokens)
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = False) -> list[int]:
+        """Token ids of ``text`` (BOS first when ``add_bos``, default the file's
+        ``tokenizer.ggml.add_bos_token``).
+
+        ``parse_special``: the text of a control token (``<s>``, ``</s>``, ``<|im_end|>``...) becomes
+        that token, and the text between them is tokenized piece by piece, as llama.cpp does for
+        chat prompts (each SentencePiece piece gets its dummy leading space, as llama.cpp adds one
+        after a special token). Off, such text is plain characters, as for a user's prompt."""
         add_bos = self.add_bos if add_bos is None else add_bos
-        if self._sp is not None:
-            ids = list(self._sp.EncodeAsIds(text))
-        else:
-            ids = self._bpe.encode(text, add_special_tokens=False).ids
-        if add_bos and self.bos_id is not None:
-            ids = [self.bos_id] + ids
+        ids = [self.bos_id] if add_bos and self.bos_id is not None else []
+        if not parse_special:
+            return ids + self._encode_raw(text)
+        for piece, special_id in self._split_special(text):
+            ids += [special_id] if special_id is not None else self._encode_raw(piece)
         return ids
+
+    def _encode_raw(self, text: str) -> list[int]:
+        if not text:
+            return []
+        if self._sp is not None:
+            return list(self._sp.EncodeAsIds(text))
+        return self._bpe.encode(text, add_special_tokens=False).ids
+
+    def _split_special(self, text: str) -> list[tuple[str, int | None]]:
+        """``text`` cut at control-token strings: ``(piece, None)`` for plain text, ``(s, id)`` for a token."""
+        if self._special_re is None:
+            import re
+
+            by_text = {self.tokens[i]: i for i in sorted(self.special_ids) if self.tokens[i]}
+            self._special_ids = by_text
+            alts = sorted(by_text, key=len, reverse=True)  # the longest match wins, as llama.cpp's partition
+            self._special_re = re.compile("|".join(map(re.escape, alts))) if alts else re.compile(r"(?!x)x")
+        out: list[tuple[str, int | None]] = []
+        at = 0
+        for m in self._special_re.finditer(text):
+            if m.start() > at:
+                out.append((text[at:m.start()], None))
+            out.append((m.group(), self._special_ids[m.group()]))
+            at = m.end()
+        if at < len(text):
+            out.append((text[at:], None))
+        return out
+
+    def token_text(self, token_id: int | None) -> str:
+        """The vocabulary string of ``token_id`` ("" for None), e.g. ``<s>`` for a chat template's bos_token."""
+        return self.tokens[token_id] if token_id is not None and 0 <= token_id < len(self.tokens) else ""
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = [i for i in ids if i not in self.control_ids]

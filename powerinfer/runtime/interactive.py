@@ -1,0 +1,154 @@
+"""``pi-run -cnv`` (chat with the model's template) and ``pi-run -i`` (plain text, turn by turn).
+
+Both keep the KV cache between turns: each turn appends only the new tokens to what the
+cache holds, so the history is never evaluated again (llama.cpp's ``main`` does the same).
+In a chat, the new tokens are the part of the re-rendered conversation that follows the
+previous prompt and the reply as generated: for the usual templates the reply's end
+marker, the user's message and the assistant header. Ctrl-C stops a reply and returns
+to the prompt; Ctrl-C or Ctrl-D (end of input) at the prompt ends the session.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, TextIO
+
+from ..errors import PowerInferError
+from .chat import ChatTemplate, chat_prompt_ids
+from .generate import GenStats, SamplerSettings
+from .session import Session, StopMatcher
+from .tokenizer import TextStream
+
+
+@dataclass
+class TurnLog:
+    """What each turn evaluated: prompt tokens computed, tokens reused from the cache, generated."""
+
+    turns: list[GenStats] = field(default_factory=list)
+
+
+class _Interrupt:
+    """While active, Ctrl-C sets a flag (the reply stops at the next token) instead of raising."""
+
+    def __init__(self) -> None:
+        self.hit = False
+        self._old = None
+
+    def __enter__(self) -> "_Interrupt":
+        self.hit = False
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def _on_sigint(self, signum, frame) -> None:
+        self.hit = True
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+            self._old = None
+
+
+def _reply(session: Session, ids: list[int], n_predict: int, sampler: SamplerSettings, stops: tuple[str, ...],
+           out: TextIO, ignore_eos: bool) -> tuple[str, list[int], GenStats]:
+    """Generate and print one reply; returns ``(text shown, token ids generated, stats)``."""
+    stream, matcher = TextStream(session.tok, ids), StopMatcher(stops)
+    shown: list[str] = []
+
+    def on_token(t: int) -> None:
+        piece = matcher.feed(stream.push(t))
+        if piece:
+            shown.append(piece)
+            out.write(piece)
+            out.flush()
+
+    with _Interrupt() as intr:
+        st = session.generate(ids, n_predict, sampler, ignore_eos=ignore_eos, on_token=on_token,
+                              should_stop=lambda: intr.hit or matcher.matched is not None)
+    tail = matcher.flush()
+    if tail:
+        shown.append(tail)
+        out.write(tail)
+    out.write("\n")
+    out.flush()
+    if intr.hit:
+        st.stop = "interrupted"
+    return "".join(shown), st.token_ids, st
+
+
+def _context_note(session: Session, err: TextIO) -> None:
+    err.write(f"note: the context is full ({session.model.n_ctx} tokens); the conversation starts over "
+              f"(raise -c for longer ones)\n")
+
+
+def chat_loop(session: Session, template: ChatTemplate, sampler: SamplerSettings, n_predict: int,
+              read_line: Callable[[str], str], out: TextIO, err: TextIO, system: str | None = None,
+              ignore_eos: bool = False) -> TurnLog:
+    """A multi-turn chat: read a user line, render the conversation with ``template``, generate the
+    reply. Returns the per-turn stats."""
+    log = TurnLog()
+    base: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    messages = list(base)
+    history_ids: list[int] = []  # the prompt so far plus the generated reply tokens
+    history_text = ""  # the rendered prompt so far plus the reply as shown
+    stops = tuple(template.stop_strings)
+    while True:
+        try:
+            line = read_line("> ")
+        except (EOFError, KeyboardInterrupt):
+            out.write("\n")
+            return log
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            text = template.render(messages, add_generation_prompt=True)
+        except PowerInferError as e:
+            err.write(f"error: {e}\n")
+            messages.pop()
+            continue
+        if history_ids and text.startswith(history_text):
+            ids = history_ids + session.tok.encode(text[len(history_text):], add_bos=False, parse_special=True)
+        else:  # the template rewrote earlier turns: tokenize it all (the cache still reuses a common prefix)
+            ids = chat_prompt_ids(session.tok, text)
+        if len(ids) >= session.model.n_ctx:
+            _context_note(session, err)
+            messages = base + [messages[-1]]
+            text = template.render(messages, add_generation_prompt=True)
+            ids = chat_prompt_ids(session.tok, text)
+            if len(ids) >= session.model.n_ctx:
+                err.write(f"error: this message alone is {len(ids)} tokens, more than the context "
+                          f"({session.model.n_ctx}); shorten it\n")
+                messages = list(base)
+                history_ids, history_text = [], ""
+                continue
+        reply, reply_ids, st = _reply(session, ids, n_predict, sampler, stops, out, ignore_eos)
+        log.turns.append(st)
+        messages.append({"role": "assistant", "content": reply})
+        history_ids, history_text = ids + reply_ids, text + reply
+        if st.stop == "context":
+            _context_note(session, err)
+            messages, history_ids, history_text = list(base), [], ""
+
+
+def interactive_loop(session: Session, prompt_ids: list[int], sampler: SamplerSettings, n_predict: int,
+                     read_line: Callable[[str], str], out: TextIO, err: TextIO,
+                     ignore_eos: bool = False) -> TurnLog:
+    """Plain text turn by turn: the model continues the prompt, then each line typed is appended
+    (with its newline) to everything so far and the model continues again."""
+    log = TurnLog()
+    ids = list(prompt_ids)
+    while True:
+        if len(ids) >= session.model.n_ctx:
+            err.write(f"note: the context is full ({session.model.n_ctx} tokens); stopping\n")
+            return log
+        _, gen_ids, st = _reply(session, ids, n_predict, sampler, (), out, ignore_eos)
+        log.turns.append(st)
+        ids = ids + gen_ids
+        try:
+            line = read_line("> ")
+        except (EOFError, KeyboardInterrupt):
+            out.write("\n")
+            return log
+        ids = ids + session.tok.encode(line + "\n", add_bos=False)

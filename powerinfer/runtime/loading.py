@@ -1,0 +1,76 @@
+"""Open a model for inference the same way in every front end (pi-run, pi-perplexity, pi-server):
+kernels chosen, weights mapped, threads set, hot neurons offloaded when a VRAM budget is given."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+import torch
+
+from ..errors import PowerInferError
+from ..formats.gguf_file import open_gguf
+from . import kernels
+from .generate import decode_bytes_per_token
+from .model import Transformer
+from .tokenizer import GGUFTokenizer
+from .weights import compute_dtype
+
+SMALL_MODEL_BYTES = 64 << 20  # below this many weight bytes per token, one thread is fastest
+
+
+def check_threads(threads: int) -> int:
+    """``-t``: 0 (automatic) up to 4 x the CPU count; raises PowerInferError otherwise."""
+    top = 4 * (os.cpu_count() or 1)
+    if not 0 <= threads <= top:
+        raise PowerInferError(f"-t {threads}: must be between 0 (automatic) and {top} (4 x the {os.cpu_count()} CPUs)")
+    return threads
+
+
+def load_model(path: str, dtype: str = "f32", dense: bool = False, n_ctx: int | None = None):
+    """Open ``path`` and build the runtime model and its tokenizer (``dtype``: auto, bf16, f32)."""
+    g = open_gguf(path)
+    model = Transformer(g, compute_dtype(dtype), dense=dense, n_ctx=n_ctx)
+    return model, GGUFTokenizer(g)
+
+
+def default_threads(model: Transformer) -> int:
+    """1 for small models (per-token work is too short to split), else torch's default
+    (the physical cores)."""
+    return 1 if decode_bytes_per_token(model, 1.0) < SMALL_MODEL_BYTES else torch.get_num_threads()
+
+
+def set_kernels(kernel_backend: str | None) -> None:
+    """``--kernels``: c, torch or auto (None: $POWERINFER_KERNELS or auto); PowerInferError when the C
+    kernels cannot be built."""
+    if kernel_backend is None:
+        return
+    try:
+        kernels.set_backend(kernel_backend)
+    except RuntimeError as e:
+        raise PowerInferError(f"--kernels {kernel_backend}: {e}") from None
+
+
+def open_for_inference(model_path: str, *, dtype: str = "auto", dense: bool = False, ctx_size: int = 0,
+                       threads: int = 0, kernel_backend: str | None = None, vram_budget: float | None = None,
+                       activation_dir: str | None = None, reset_gpu_index: bool = False,
+                       disable_gpu_index: bool = False,
+                       note: Callable[[str], None] = lambda s: sys.stderr.write(s + "\n")):
+    """The model and tokenizer of ``model_path``, ready to decode: ``ctx_size`` 0 is the model's
+    context (larger values are cut to it, with a ``note``), ``threads`` 0 picks by model size,
+    ``vram_budget`` (GiB) places hot neurons on the GPU. Raises PowerInferError on bad values."""
+    if ctx_size < 0:
+        raise PowerInferError(f"-c {ctx_size}: must be >= 0 (0: the model's context length)")
+    check_threads(threads)
+    set_kernels(kernel_backend)
+    model, tok = load_model(model_path, dtype, dense, ctx_size or None)
+    if ctx_size > model.n_ctx:
+        note(f"note: -c {ctx_size} is more than the model's context length; using {model.n_ctx}")
+    torch.set_num_threads(threads or default_threads(model))
+    if vram_budget is not None and not disable_gpu_index:
+        from .hybrid import offload
+
+        summary = offload(model, model_path, vram_budget, activation_dir, reset_gpu_index)
+        if summary is not None:
+            note(summary)
+    return model, tok

@@ -1,0 +1,90 @@
+"""A model's KV cache kept across calls, and text streaming with stop strings.
+
+:class:`Session` remembers which tokens its model's KV cache holds. A new prompt that
+starts with them (the next turn of a chat, a server request that repeats a system
+prompt) evaluates only what follows the longest common prefix, as llama.cpp's
+``cache_prompt`` does. :class:`StopMatcher` cuts generated text at the first stop
+string and holds back a tail that could still become one, so no client ever sees
+part of a stop string.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from .generate import GenStats, SamplerSettings, generate
+from .model import Transformer
+from .tokenizer import GGUFTokenizer
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two id sequences."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Session:
+    """One model and tokenizer, and the ids its KV cache holds (``cached``, positions 0..)."""
+
+    def __init__(self, model: Transformer, tok: GGUFTokenizer):
+        self.model, self.tok = model, tok
+        self.cached: list[int] = []
+
+    def end_ids(self, ignore_eos: bool = False) -> tuple[int | None, tuple[int, ...]]:
+        """``(eos_id, stop_after_first)`` for :func:`generate`: EOS, and BOS from the second token on
+        (llama2.c-style models emit BOS between stories); none with ``ignore_eos``."""
+        if ignore_eos:
+            return None, ()
+        return self.tok.eos_id, (() if self.tok.bos_id is None else (self.tok.bos_id,))
+
+    def generate(self, ids: list[int], n_predict: int, sampler: SamplerSettings, *, ignore_eos: bool = False,
+                 on_token: Callable[[int], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> GenStats:
+        """:func:`~powerinfer.runtime.generate.generate` after ``ids``, evaluating only the part not
+        already cached (``GenStats.n_reused`` says how many were). Raises PowerInferError as it does;
+        an exception mid-way (Ctrl-C) leaves the cache marked as holding the reused prefix only."""
+        n_past = common_prefix(self.cached, ids)
+        self.cached = self.cached[:n_past]
+        eos, late = self.end_ids(ignore_eos)
+        st = generate(self.model, ids, n_predict, sampler, eos, on_token, late, n_past=n_past,
+                      should_stop=should_stop)
+        self.cached = list(ids) + st.token_ids[:st.n_eval]
+        return st
+
+    def reset(self) -> None:
+        self.cached = []
+
+
+class StopMatcher:
+    """Feeds text deltas, returns what may be shown: text up to the first stop string (then
+    ``matched`` is set and nothing more is shown), holding back a tail that is a prefix of one."""
+
+    def __init__(self, stops: Sequence[str] = ()):
+        self.stops = [s for s in stops if s]
+        self.buf = ""
+        self.matched: str | None = None
+
+    def feed(self, text: str) -> str:
+        if self.matched is not None:
+            return ""
+        self.buf += text
+        hit = min(((self.buf.find(s), s) for s in self.stops if s in self.buf), default=None)
+        if hit is not None:
+            out, self.matched, self.buf = self.buf[:hit[0]], hit[1], ""
+            return out
+        keep = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.buf)), keep, -1):
+                if self.buf.endswith(s[:k]):
+                    keep = k
+                    break
+        out = self.buf[:len(self.buf) - keep]
+        self.buf = self.buf[len(self.buf) - keep:]
+        return out
+
+    def flush(self) -> str:
+        """The held-back tail, at the end of generation (no stop string completed)."""
+        out, self.buf = ("" if self.matched is not None else self.buf), ""
+        return out

@@ -1,0 +1,1 @@
+"""``pi-server``: an OpenAI-compatible HTTP server beside the runtime (FastAPI + uvicorn)."""

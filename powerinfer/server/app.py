@@ -1,0 +1,329 @@
+"""The HTTP API: OpenAI's ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, llama.cpp's
+``/completion`` and ``/health``, on FastAPI.
+
+Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a
+malformed body (bad JSON, a wrong type or range, a prompt or ``max_tokens`` that does not
+fit the context), 401 for a missing or wrong API key, 404 for an unknown model name, 413
+for a body over ``max_body_bytes``, 503 when the queue is full. Streaming responses are
+server-sent events (``data: {...}`` lines, then ``data: [DONE]``); a client that goes away
+cancels its request at the next token.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+import uuid
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from ..errors import PowerInferError
+from ..runtime.chat import ChatTemplate, chat_prompt_ids
+from ..runtime.generate import SamplerSettings
+from .engine import Engine, Job, QueueFull, Result
+from .protocol import ChatRequest, CompletionRequest, NativeCompletionRequest
+
+POLL_S = 0.25  # how often a waiting handler checks that its client is still there
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def _error_response(e: HTTPError) -> JSONResponse:
+    return JSONResponse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}},
+                        status_code=e.status)
+
+
+class ServerState:
+    """What the handlers share: the engine, the model's name and limits, the chat template."""
+
+    def __init__(self, engine: Engine, model_path: str, alias: str | None, api_key: str | None,
+                 max_body_bytes: int, template: ChatTemplate):
+        self.engine, self.tok, self.model = engine, engine.session.tok, engine.session.model
+        self.model_id = alias or Path(model_path).name
+        self.names = {self.model_id, Path(model_path).name, Path(model_path).stem, str(model_path)}
+        self.api_key, self.max_body_bytes, self.template = api_key, max_body_bytes, template
+        self.created = int(time.time())
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="powerinfer", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(HTTPError)
+    async def _http_error(request: Request, e: HTTPError) -> JSONResponse:
+        return _error_response(e)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        logging.getLogger("powerinfer.server").exception("request failed")
+        return _error_response(HTTPError(500, f"internal error: {type(e).__name__}", "server_error"))
+
+    @app.get("/health")
+    async def health() -> dict:
+        e = state.engine
+        return {"status": "ok", "model": state.model_id, "requests_waiting": e.n_waiting,
+                "requests_processing": int(e.busy), "requests_served": e.n_served,
+                "requests_cancelled": e.n_cancelled}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        _authorize(state, request)
+        m = state.model
+        return {"object": "list", "data": [{
+            "id": state.model_id, "object": "model", "created": state.created, "owned_by": "powerinfer",
+            "meta": {"n_ctx": m.n_ctx, "n_ctx_train": m.max_ctx, "n_vocab": state.tok.n_vocab,
+                     "n_layer": m.args.n_layer, "n_embd": m.args.n_embd, "n_ff": m.args.n_ff,
+                     "family": m.args.family.name, "sparse": not m.dense}}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        _authorize(state, request)
+        req = await _parse(request, state, CompletionRequest)
+        _check_model(state, req.model)
+        ids = await asyncio.to_thread(_prompt_ids, state, req.prompt)
+        return await _respond(request, state, req, ids, req.max_tokens, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        _authorize(state, request)
+        req = await _parse(request, state, ChatRequest)
+        _check_model(state, req.model)
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content}
+                    for m in req.messages]
+        try:
+            text = state.template.render(messages, add_generation_prompt=True)
+        except PowerInferError as e:
+            raise HTTPError(400, str(e), param="messages") from None
+        ids = await asyncio.to_thread(chat_prompt_ids, state.tok, text)
+        limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        req.stop = list(req.stop) + [s for s in state.template.stop_strings if s not in req.stop]
+        return await _respond(request, state, req, ids, limit, "chat")
+
+    @app.post("/completion")
+    async def native_completion(request: Request):
+        _authorize(state, request)
+        req = await _parse(request, state, NativeCompletionRequest)
+        ids = await asyncio.to_thread(_prompt_ids, state, req.prompt)
+        return await _respond(request, state, req, ids, None if req.n_predict < 0 else req.n_predict, "native")
+
+    return app
+
+
+def _authorize(state: ServerState, request: Request) -> None:
+    """401 unless the request carries ``Authorization: Bearer <api key>`` (when the server has a key)."""
+    if state.api_key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), state.api_key.encode()):
+        raise HTTPError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
+                        "authentication_error", code="invalid_api_key")
+
+
+async def _parse(request: Request, state: ServerState, model: type):
+    """The body as ``model``: 413 when larger than allowed, 400 for bad JSON or values."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > state.max_body_bytes:
+        raise HTTPError(413, f"the request body is {declared} bytes, more than {state.max_body_bytes}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > state.max_body_bytes:
+            raise HTTPError(413, f"the request body is more than {state.max_body_bytes} bytes")
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HTTPError(400, f"the request body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise HTTPError(400, "the request body is nested too deeply") from None
+    if not isinstance(data, dict):
+        raise HTTPError(400, "the request body must be a JSON object")
+    try:
+        req = model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "body"
+        raise HTTPError(400, f"{where}: {err['msg']}", param=where) from None
+    bad = req.unsupported()
+    if bad is not None:
+        raise HTTPError(400, f"{bad}: not supported by this server", param=bad)
+    return req
+
+
+def _check_model(state: ServerState, name: str | None) -> None:
+    if name is not None and name not in state.names:
+        raise HTTPError(404, f"the model '{name}' does not exist here; this server has '{state.model_id}' "
+                             f"(GET /v1/models)", param="model", code="model_not_found")
+
+
+def _prompt_ids(state: ServerState, prompt: Any) -> list[int]:
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        if len(prompt) != 1:
+            raise HTTPError(400, "prompt: one prompt per request (a list of several is not supported)", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        try:
+            return state.tok.encode(prompt)
+        except PowerInferError as e:
+            raise HTTPError(400, f"prompt: {e}", param="prompt") from None
+    ids = list(prompt)
+    n = state.tok.n_vocab
+    if any(not 0 <= t < n for t in ids):
+        raise HTTPError(400, f"prompt: token ids must be in [0, {n})", param="prompt")
+    return ids
+
+
+def _job(request_loop: asyncio.AbstractEventLoop, state: ServerState, req, ids: list[int],
+         max_tokens: int | None) -> Job:
+    n_ctx = state.model.n_ctx
+    if not ids:
+        raise HTTPError(400, "prompt: empty (no tokens to start from)", param="prompt")
+    if len(ids) >= n_ctx:
+        raise HTTPError(400, f"prompt: {len(ids)} tokens do not fit the context of {n_ctx} tokens "
+                             f"(at least one must be left to generate)", param="prompt",
+                        code="context_length_exceeded")
+    if max_tokens is not None and len(ids) + max_tokens > n_ctx:
+        raise HTTPError(400, f"max_tokens: {max_tokens} more tokens after a {len(ids)}-token prompt exceed the "
+                             f"context of {n_ctx} tokens (at most {n_ctx - len(ids)})", param="max_tokens",
+                        code="context_length_exceeded")
+    sampler = SamplerSettings(temp=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                              seed=-1 if req.seed is None else req.seed, repeat_penalty=req.repeat_penalty,
+                              repeat_last_n=req.repeat_last_n)
+    return Job(ids=ids, n_predict=-1 if max_tokens is None else max_tokens, sampler=sampler, stop=list(req.stop),
+               ignore_eos=req.ignore_eos, loop=request_loop)
+
+
+async def _events(request: Request, job: Job) -> AsyncIterator[tuple[str, Any]]:
+    """The job's events; sets ``job.cancel`` and stops when the client disconnects."""
+    getter: asyncio.Task | None = None
+    try:
+        while True:
+            if getter is None:
+                getter = asyncio.ensure_future(job.out.get())
+            done, _ = await asyncio.wait({getter}, timeout=POLL_S)
+            if not done:
+                if await request.is_disconnected():
+                    return
+                continue
+            kind, value = getter.result()
+            getter = None
+            yield kind, value
+            if kind in ("done", "error"):
+                return
+    finally:
+        if getter is not None:
+            getter.cancel()
+        job.cancel.set()  # no-op once done; stops the generation if the client left
+
+
+def _usage(res: Result) -> dict:
+    st = res.stats
+    n_prompt = st.n_prompt + st.n_reused
+    return {"prompt_tokens": n_prompt, "completion_tokens": st.n_gen, "total_tokens": n_prompt + st.n_gen}
+
+
+def _timings(res: Result) -> dict:
+    st = res.stats
+    return {"prompt_n": st.n_prompt, "prompt_ms": st.t_prompt * 1e3, "cache_n": st.n_reused,
+            "prompt_per_second": st.prompt_tps, "predicted_n": st.n_gen, "predicted_ms": st.t_gen * 1e3,
+            "predicted_per_second": st.n_gen / st.t_gen if st.t_gen > 0 else None}
+
+
+def _sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+async def _respond(request: Request, state: ServerState, req, ids: list[int], max_tokens: int | None, kind: str):
+    job = _job(asyncio.get_running_loop(), state, req, ids, max_tokens)
+    try:
+        state.engine.submit(job)
+    except QueueFull as e:
+        raise HTTPError(503, f"the server is busy: {e}; retry later", "server_error", code="queue_full") from None
+    rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+    created = int(time.time())
+    shape = _Shape(kind, rid, created, state.model_id)
+    if req.stream:
+        include_usage = bool(getattr(req, "stream_options", None) and req.stream_options.include_usage)
+        return StreamingResponse(_stream(request, job, shape, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    parts: list[str] = []
+    async for ev, value in _events(request, job):
+        if ev == "text":
+            parts.append(value)
+        elif ev == "error":
+            raise HTTPError(500, value, "server_error")
+        elif ev == "done":
+            return JSONResponse(shape.whole("".join(parts), value))
+    return JSONResponse({"error": {"message": "cancelled", "type": "server_error", "param": None, "code": None}},
+                        status_code=499)
+
+
+async def _stream(request: Request, job: Job, shape: "_Shape", include_usage: bool) -> AsyncIterator[bytes]:
+    if shape.kind == "chat":
+        yield _sse(shape.chunk({"role": "assistant", "content": ""}, None))
+    async for ev, value in _events(request, job):
+        if ev == "text":
+            yield _sse(shape.chunk(value, None))
+        elif ev == "error":
+            yield _sse({"error": {"message": value, "type": "server_error", "param": None, "code": None}})
+            return
+        elif ev == "done":
+            yield _sse(shape.final(value))
+            if include_usage and shape.kind != "native":
+                yield _sse(shape.usage_chunk(value))
+            if shape.kind != "native":
+                yield b"data: [DONE]\n\n"
+            return
+
+
+class _Shape:
+    """The JSON shapes of one endpoint's responses (OpenAI completion, chat, or llama.cpp native)."""
+
+    def __init__(self, kind: str, rid: str, created: int, model: str):
+        self.kind, self.rid, self.created, self.model = kind, rid, created, model
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
+
+    def chunk(self, delta, finish: str | None) -> dict:
+        if self.kind == "native":
+            return {"content": delta, "stop": False}
+        if self.kind == "chat":
+            d = delta if isinstance(delta, dict) else {"content": delta}
+            return {**self._head("chat.completion.chunk"),
+                    "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}]}
+        return {**self._head("text_completion"),
+                "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}]}
+
+    def final(self, res: Result) -> dict:
+        if self.kind == "native":
+            return {**self._native(res), "content": ""}
+        return self.chunk({} if self.kind == "chat" else "", res.finish_reason)
+
+    def usage_chunk(self, res: Result) -> dict:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": _usage(res)}
+
+    def _native(self, res: Result) -> dict:
+        return {"stop": True, "model": self.model, "tokens_predicted": res.stats.n_gen,
+                "tokens_evaluated": res.stats.n_prompt + res.stats.n_reused, "tokens_cached": res.stats.n_reused,
+                "stop_type": res.stop_type, "stopping_word": res.stopping_word, "timings": _timings(res)}
+
+    def whole(self, text: str, res: Result) -> dict:
+        if self.kind == "native":
+            return {**self._native(res), "content": text}
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": res.finish_reason}
+            return {**self._head("chat.completion"), "choices": [choice], "usage": _usage(res)}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": res.finish_reason}
+        return {**self._head("text_completion"), "choices": [choice], "usage": _usage(res)}

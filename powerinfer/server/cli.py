@@ -1,0 +1,89 @@
+"""``pi-server``: serve one model over HTTP (OpenAI's API and llama.cpp's ``/completion``).
+
+FastAPI + uvicorn: the most used Python ASGI stack, kept up by active maintainers; pydantic
+validates every request body, and streaming responses and client disconnects come with it.
+The server binds 127.0.0.1 unless ``--host`` says otherwise; ``--api-key`` (or
+``$POWERINFER_API_KEY``) then requires ``Authorization: Bearer <key>`` on every endpoint
+but ``/health``.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+
+from .. import __version__
+from ..errors import PowerInferError, cli_errors
+
+MAX_BODY_BYTES = 4 << 20
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-m", "--model", "model_path", required=True, type=click.Path(dir_okay=False),
+              help="GGUF (dense) or PowerInfer GGUF (sparse) file.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind; 0.0.0.0 serves other machines too (set --api-key then).")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535), help="TCP port (0: any free).")
+@click.option("-c", "--ctx-size", default=0, help="Context length per request (0: the model's).")
+@click.option("-t", "--threads", default=0, help="CPU threads (0: chosen by model size, as pi-run).")
+@click.option("--dense", is_flag=True, help="Compute every FFN neuron even in a PWRI file.")
+@click.option("--dtype", type=click.Choice(["auto", "bf16", "f32"]), default="auto", show_default=True,
+              help="Compute dtype on the CPU.")
+@click.option("--kernels", "kernel_backend", type=click.Choice(["auto", "c", "torch"]), default=None,
+              help="Decode kernels (default auto, or $POWERINFER_KERNELS).")
+@click.option("--vram-budget", type=float, default=None, help="GiB of GPU memory for hot neurons, as pi-run.")
+@click.option("-a", "--alias", default=None, help="The model's name in the API (default: the file name).")
+@click.option("--api-key", envvar="POWERINFER_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' (also $POWERINFER_API_KEY).")
+@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(1, 1 << 16),
+              help="Requests that may wait for the model; more get 503.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True)
+@click.version_option(__version__, "--version", prog_name="pi-server", message="%(prog)s (powerinfer) %(version)s")
+@cli_errors
+def main(model_path, host, port, ctx_size, threads, dense, dtype, kernel_backend, vram_budget, alias, api_key,
+         max_queue, log_level):
+    """Serve a model: POST /v1/completions, /v1/chat/completions (stream or not), /completion; GET /v1/models,
+    /health. One request is generated at a time, in arrival order."""
+    import math
+
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(message)s")
+    if vram_budget is not None and not (math.isfinite(vram_budget) and vram_budget >= 0):
+        raise PowerInferError(f"--vram-budget {vram_budget}: must be a finite number of GiB >= 0")
+    if api_key is not None and not api_key.strip():
+        raise PowerInferError("--api-key: empty")
+    import uvicorn
+
+    from ..runtime.chat import template_for
+    from ..runtime.loading import open_for_inference
+    from ..runtime.session import Session
+    from .app import ServerState, create_app
+    from .engine import Engine
+
+    model, tok = open_for_inference(model_path, dtype=dtype, dense=dense, ctx_size=ctx_size, threads=threads,
+                                    kernel_backend=kernel_backend, vram_budget=vram_budget,
+                                    note=lambda s: click.echo(s, err=True))
+    template = template_for(tok)
+    engine = Engine(Session(model, tok), max_queue=max_queue)
+    state = ServerState(engine, model_path, alias, api_key, MAX_BODY_BYTES, template)
+    app = create_app(state)
+    mode = "dense" if model.dense else "sparse"
+    click.echo(f"pi-server: {state.model_id} ({model.args.family.name}, {mode}, n_ctx {model.n_ctx}"
+               f"{', ChatML (no template in the file)' if template.is_default else ', chat template from the file'})",
+               err=True)
+    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        click.echo(f"warning: serving on {host} without --api-key: anyone who can reach it can use it", err=True)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
+                            timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    try:
+        server.run()
+    finally:
+        engine.close()
+    if not server.started:
+        raise PowerInferError(f"could not listen on {host}:{port} (in use, or not an address of this machine?)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""The server's generation worker: one model, one request at a time, first come first served.
+
+The runtime decodes one sequence (batch 1) with one KV cache, so requests wait in a FIFO
+queue of bounded length and a single worker thread serves them in arrival order; each
+request's tokens stream back to its asyncio handler as they come. The KV cache is kept
+between requests: a prompt that starts like the previous one (a chat's next turn, a
+shared system prompt) evaluates only what follows the common prefix.
+
+A request is cancelled (its ``cancel`` event set, e.g. when the client disconnects)
+before it starts or at its next token; the worker then takes the next one.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..errors import PowerInferError
+from ..runtime.generate import GenStats, SamplerSettings
+from ..runtime.session import Session, StopMatcher
+from ..runtime.tokenizer import TextStream
+
+log = logging.getLogger("powerinfer.server")
+
+
+class QueueFull(Exception):
+    """More requests are waiting than the server accepts (``--max-queue``)."""
+
+
+@dataclass
+class Result:
+    """How a request ended: ``finish_reason`` is OpenAI's "stop" (end of text or a stop string) or
+    "length" (max_tokens or a full context); ``stop_type`` llama.cpp's eos, word or limit."""
+
+    finish_reason: str
+    stop_type: str
+    stopping_word: str
+    stats: GenStats
+
+
+@dataclass
+class Job:
+    """One request: prompt ids, limits and sampler; events go to ``out`` on ``loop``:
+    ``("text", str)``, then ``("done", Result)`` or ``("error", str)``."""
+
+    ids: list[int]
+    n_predict: int
+    sampler: SamplerSettings
+    stop: list[str]
+    ignore_eos: bool
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    t_submit: float = field(default_factory=time.perf_counter)
+
+    def emit(self, kind: str, value) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.out.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            self.cancel.set()
+
+
+class Engine:
+    """Owns the :class:`Session` and the worker thread; ``submit`` is called from the event loop."""
+
+    def __init__(self, session: Session, max_queue: int = 64):
+        self.session = session
+        self.max_queue = max_queue
+        self._q: queue.Queue[Job | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self.n_waiting = 0
+        self.busy = False
+        self.n_served = 0
+        self.n_cancelled = 0
+        self._thread = threading.Thread(target=self._run, name="powerinfer-generate", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; QueueFull when ``max_queue`` requests already wait."""
+        with self._lock:
+            if self.n_waiting >= self.max_queue:
+                raise QueueFull(f"{self.n_waiting} requests are already waiting (--max-queue {self.max_queue})")
+            self.n_waiting += 1
+        self._q.put(job)
+
+    def close(self) -> None:
+        self._q.put(None)
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            with self._lock:
+                self.n_waiting -= 1
+                self.busy = True
+            try:
+                self._serve(job)
+            finally:
+                with self._lock:
+                    self.busy = False
+
+    def _serve(self, job: Job) -> None:
+        if job.cancel.is_set():
+            self.n_cancelled += 1
+            return
+        stream, matcher = TextStream(self.session.tok, job.ids), StopMatcher(job.stop)
+
+        def on_token(t: int) -> None:
+            piece = matcher.feed(stream.push(t))
+            if piece:
+                job.emit("text", piece)
+
+        try:
+            st = self.session.generate(job.ids, job.n_predict, job.sampler, ignore_eos=job.ignore_eos,
+                                       on_token=on_token,
+                                       should_stop=lambda: job.cancel.is_set() or matcher.matched is not None)
+        except PowerInferError as e:
+            job.emit("error", str(e))
+            return
+        except Exception as e:  # noqa: BLE001  (one bad request must not stop the server)
+            log.exception("generation failed")
+            job.emit("error", f"internal error: {type(e).__name__}: {e}")
+            return
+        if job.cancel.is_set():
+            self.n_cancelled += 1
+            log.info("request cancelled after %d tokens (client gone)", st.n_gen)
+            return
+        self.n_served += 1
+        tail = matcher.flush()
+        if tail:
+            job.emit("text", tail)
+        if matcher.matched is not None:
+            res = Result("stop", "word", matcher.matched, st)
+        elif st.stop == "eos":
+            res = Result("stop", "eos", "", st)
+        else:
+            res = Result("length", "limit", "", st)
+        job.emit("done", res)

@@ -1,0 +1,97 @@
+"""Request bodies of the OpenAI-compatible and llama.cpp endpoints, validated by pydantic.
+
+Defaults follow ``pi-run`` and llama.cpp's server (temperature 0.8, top_k 40, top_p 0.95,
+no repetition penalty; generate until the end of text or the context when ``max_tokens`` is
+absent), not OpenAI's cloud defaults. Fields that would change the output in ways this
+server does not implement (``n`` > 1, ``logprobs``, ``echo``, penalties, ``logit_bias``,
+tools, JSON mode) are refused with a 400 rather than ignored; other unknown fields are
+ignored, as OpenAI clients send many.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+MAX_MESSAGES = 4096
+
+
+class Unsupported(ValueError):
+    """A field asks for something this server does not do."""
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=False)
+
+
+class StreamOptions(_Base):
+    include_usage: bool = False
+
+
+class _Sampling(_Base):
+    temperature: float = Field(0.8, ge=0.0, le=100.0)
+    top_p: float = Field(0.95, gt=0.0, le=1.0)
+    top_k: int = Field(40, ge=0)
+    seed: int | None = Field(None, ge=-1, le=2**63 - 1)
+    stop: Union[str, list[str], None] = Field(None, validate_default=True)
+    stream: bool = False
+    repeat_penalty: float = Field(1.0, gt=0.0, le=100.0)
+    repeat_last_n: int = Field(64, ge=-1)
+    ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: Any) -> list[str]:
+        stops = [] if v is None else [v] if isinstance(v, str) else list(v)
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
+        return [s for s in stops if s]
+
+    def unsupported(self) -> str | None:
+        """The name of a field asking for something not implemented, else None."""
+        extra = self.model_extra or {}
+        checks = (("n", lambda v: v not in (None, 1)), ("best_of", lambda v: v not in (None, 1)),
+                  ("logprobs", lambda v: v not in (None, False, 0)), ("top_logprobs", lambda v: v not in (None, 0)),
+                  ("echo", lambda v: bool(v)), ("presence_penalty", lambda v: v not in (None, 0, 0.0)),
+                  ("frequency_penalty", lambda v: v not in (None, 0, 0.0)), ("logit_bias", lambda v: bool(v)),
+                  ("tools", lambda v: bool(v)), ("functions", lambda v: bool(v)), ("suffix", lambda v: bool(v)),
+                  ("response_format", lambda v: isinstance(v, dict) and v.get("type") not in (None, "text")))
+        for name, bad in checks:
+            if name in extra and bad(extra[name]):
+                return name
+        return None
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: ``prompt`` is a string, a list of one string, or token ids."""
+
+    model: str | None = None
+    prompt: Union[str, list[str], list[int]]
+    max_tokens: int | None = Field(None, ge=0)
+    stream_options: StreamOptions | None = None
+
+
+class ChatMessage(_Base):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: Union[str, list[dict[str, Any]], None] = None
+
+
+class ChatRequest(_Sampling):
+    """``POST /v1/chat/completions``: ``messages`` rendered with the model's chat template."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    stream_options: StreamOptions | None = None
+
+
+class NativeCompletionRequest(_Sampling):
+    """llama.cpp's ``POST /completion``: ``n_predict`` -1 generates until the end of text."""
+
+    prompt: Union[str, list[int]]
+    n_predict: int = Field(-1, ge=-1)

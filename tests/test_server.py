@@ -1,0 +1,278 @@
+"""pi-server, started on a free port on 127.0.0.1 and called with the real ``openai`` client:
+completion, chat, streaming, the same greedy text as pi-run (sparse and dense), 16 concurrent
+streams, a client killed mid-stream, seeds, stop strings, API keys, and 4xx errors."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from click.testing import CliRunner
+
+openai = pytest.importorskip("openai")
+
+from helpers import random_predictors  # noqa: E402
+from powerinfer.convert.writer import convert  # noqa: E402
+from powerinfer.runtime.cli import main as run_main  # noqa: E402
+
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def sparse_gguf(tmp_path_factory, relu_hf):
+    tmp = tmp_path_factory.mktemp("srv")
+    cfg = json.loads((relu_hf / "config.json").read_text())
+    random_predictors(tmp / "pred", cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"])
+    return convert(relu_hf, tmp / "m.powerinfer.gguf", tmp / "pred", outtype="f32", progress=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model, *args):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "powerinfer.server.cli", "-m", str(model), "--port",
+                                      str(self.port), "-t", "1", "--log-level", "warning", *map(str, args)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pi-server exited: {self.proc.stdout.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError("pi-server did not start")
+
+    def client(self, **kw):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=5).json()
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def sparse_server(sparse_gguf):
+    s = Server(sparse_gguf)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def dense_server(sparse_gguf):
+    s = Server(sparse_gguf, "--dense", "--api-key", "sekrit")
+    yield s
+    s.stop()
+
+
+def _pi_run_text(path, n, *extra) -> str:
+    r = CliRunner().invoke(run_main, ["-m", str(path), "-p", PROMPT, "-n", str(n), "--temp", "0", "-t", "1", *extra])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith(PROMPT) and r.stdout.endswith("\n")
+    return r.stdout[len(PROMPT):-1]
+
+
+# ------------------------------------------------------------------ the same text as pi-run
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_greedy_completion_equals_pi_run(sparse_gguf, sparse_server, dense_server, mode):
+    server, extra, key = (sparse_server, (), "none") if mode == "sparse" else (dense_server, ("--dense",), "sekrit")
+    want = _pi_run_text(sparse_gguf, 40, *extra)
+    r = server.client(api_key=key).completions.create(model=sparse_gguf.name, prompt=PROMPT, max_tokens=40,
+                                                      temperature=0)
+    assert r.choices[0].text == want
+    assert r.usage.completion_tokens <= 40 and r.usage.prompt_tokens == 5  # BOS + 4 pieces
+    if r.usage.completion_tokens < 40:
+        assert r.choices[0].finish_reason == "stop"  # the model ended its story
+    else:
+        assert r.choices[0].finish_reason == "length"
+
+
+def test_streamed_completion_equals_the_whole_one(sparse_server):
+    c = sparse_server.client()
+    whole = c.completions.create(prompt=PROMPT, max_tokens=30, temperature=0, model="m.powerinfer.gguf",
+                                 extra_body={"ignore_eos": True})
+    chunks = list(c.completions.create(prompt=PROMPT, max_tokens=30, temperature=0, model="m.powerinfer.gguf",
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True}))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == whole.choices[0].text and len(text) > 0
+    assert chunks[-1].usage.completion_tokens == 30 == whole.usage.completion_tokens
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+
+
+def test_chat_and_streamed_chat(sparse_server):
+    c = sparse_server.client()
+    msgs = [{"role": "system", "content": "You tell stories."}, {"role": "user", "content": "Tell me about a dog."}]
+    whole = c.chat.completions.create(model="m.powerinfer.gguf", messages=msgs, max_tokens=20, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    msg = whole.choices[0].message
+    assert msg.role == "assistant" and whole.object == "chat.completion"
+    # the prompt is the ChatML rendering (the file has no template): 3 blocks of text plus BOS
+    assert whole.usage.prompt_tokens > 20 and whole.usage.completion_tokens <= 20
+    stream = c.chat.completions.create(model="m.powerinfer.gguf", messages=msgs, max_tokens=20, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == msg.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_seed_reproduces_text(sparse_server):
+    c = sparse_server.client()
+
+    def go(seed):
+        return c.completions.create(model="m.powerinfer.gguf", prompt=PROMPT, max_tokens=40, temperature=1.0,
+                                    top_p=1.0, seed=seed, extra_body={"top_k": 0, "ignore_eos": True}).choices[0].text
+
+    a, b, other = go(7), go(7), go(8)
+    assert a == b
+    assert a != other
+
+
+def test_stop_string_cuts_the_text(sparse_server):
+    c = sparse_server.client()
+    full = c.completions.create(model="m.powerinfer.gguf", prompt=PROMPT, max_tokens=40, temperature=0,
+                                extra_body={"ignore_eos": True}).choices[0].text
+    word = full.split()[3]
+    r = c.completions.create(model="m.powerinfer.gguf", prompt=PROMPT, max_tokens=40, temperature=0, stop=[word],
+                             extra_body={"ignore_eos": True})
+    assert r.choices[0].text == full[:full.index(word)]
+    assert r.choices[0].finish_reason == "stop"
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="m.powerinfer.gguf", prompt=PROMPT, max_tokens=40, temperature=0, stop=[word], stream=True,
+        extra_body={"ignore_eos": True}) if ch.choices)
+    assert streamed == r.choices[0].text  # no part of the stop string leaks into the stream
+
+
+# ------------------------------------------------------------------ concurrency and disconnects
+def test_sixteen_concurrent_streams_all_complete(sparse_server):
+    c = sparse_server.client(timeout=120)
+    n_tok = 12
+    results: dict[int, tuple[str, int]] = {}
+    errors: list[BaseException] = []
+
+    def client(i: int) -> None:
+        try:
+            chunks = list(c.completions.create(model="m.powerinfer.gguf", prompt=PROMPT, max_tokens=n_tok,
+                                               temperature=0, stream=True, stream_options={"include_usage": True},
+                                               extra_body={"ignore_eos": True}))
+            results[i] = ("".join(ch.choices[0].text for ch in chunks if ch.choices), chunks[-1].usage.completion_tokens)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors, errors
+    assert len(results) == 16
+    texts = {t for t, _ in results.values()}
+    assert len(texts) == 1  # greedy: every client gets the same text
+    assert all(n == n_tok for _, n in results.values())
+
+
+def test_client_killed_mid_stream_is_cancelled_and_server_goes_on(sparse_server):
+    before = sparse_server.health()
+    body = {"model": "m.powerinfer.gguf", "prompt": PROMPT, "max_tokens": 500, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(timeout=30) as h:
+        with h.stream("POST", sparse_server.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(ln.startswith("data: ") for ln in got)
+    # the connection is closed: the server stops generating for it at its next token
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        h = sparse_server.health()
+        if h["requests_cancelled"] > before["requests_cancelled"] and not h["requests_processing"]:
+            break
+        time.sleep(0.1)
+    assert h["requests_cancelled"] == before["requests_cancelled"] + 1, h
+    assert h["requests_served"] == before["requests_served"]
+    r = sparse_server.client().completions.create(model="m.powerinfer.gguf", prompt=PROMPT, max_tokens=5,
+                                                  temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 5
+
+
+# ------------------------------------------------------------------ errors
+def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(sparse_server):
+    url = sparse_server.url
+    cases = [
+        (b"{not json", 400, "not valid JSON"),
+        (b"[1, 2]", 400, "JSON object"),
+        (json.dumps({"prompt": PROMPT, "temperature": -1}).encode(), 400, "temperature"),
+        (json.dumps({"prompt": PROMPT, "top_p": 0}).encode(), 400, "top_p"),
+        (json.dumps({"prompt": PROMPT, "n": 3}).encode(), 400, "n: not supported"),
+        (json.dumps({"prompt": [10**9]}).encode(), 400, "token ids"),
+        (json.dumps({"prompt": []}).encode(), 400, "prompt"),
+        (b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
+        (json.dumps({"prompt": "x" * (5 << 20)}).encode(), 413, "bytes"),
+    ]
+    for body, status, needle in cases:
+        r = httpx.post(url + "/v1/completions", content=body, headers={"Content-Type": "application/json"}, timeout=30)
+        assert r.status_code == status, (body[:40], r.text)
+        assert needle in r.json()["error"]["message"], r.text
+    c = sparse_server.client()
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        c.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="exceed the context"):
+        c.completions.create(model="m.powerinfer.gguf", prompt=PROMPT, max_tokens=100_000)
+    with pytest.raises(openai.BadRequestError, match="do not fit the context"):
+        c.completions.create(model="m.powerinfer.gguf", prompt="the cat " * 600, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="role"):
+        c.chat.completions.create(model="m.powerinfer.gguf", messages=[{"role": "wizard", "content": "hi"}])
+    assert sparse_server.proc.poll() is None
+    assert c.completions.create(model="m.powerinfer.gguf", prompt=PROMPT, max_tokens=3, temperature=0,
+                                extra_body={"ignore_eos": True}).usage.completion_tokens == 3
+
+
+def test_api_key_is_required_when_set(dense_server):
+    assert httpx.get(dense_server.url + "/health").status_code == 200  # health needs no key
+    with pytest.raises(openai.AuthenticationError):
+        dense_server.client(api_key="wrong").models.list()
+    r = httpx.post(dense_server.url + "/v1/completions", json={"prompt": PROMPT})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    models = dense_server.client(api_key="sekrit").models.list().data
+    assert [m.id for m in models] == ["m.powerinfer.gguf"]
+
+
+def test_native_completion_endpoint(sparse_gguf, sparse_server):
+    want = _pi_run_text(sparse_gguf, 16)
+    r = httpx.post(sparse_server.url + "/completion",
+                   json={"prompt": PROMPT, "n_predict": 16, "temperature": 0}, timeout=30).json()
+    assert r["content"] == want and r["stop"] is True
+    assert r["tokens_predicted"] <= 16 and r["stop_type"] in ("eos", "limit")
+    lines = []
+    with httpx.stream("POST", sparse_server.url + "/completion",
+                      json={"prompt": PROMPT, "n_predict": 16, "temperature": 0, "stream": True}, timeout=30) as s:
+        lines = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: ")]
+    assert "".join(x["content"] for x in lines) == want and lines[-1]["stop"] is True
+
+
+def test_server_refuses_to_start_on_a_busy_port(sparse_gguf, sparse_server):
+    r = subprocess.run([sys.executable, "-m", "powerinfer.server.cli", "-m", str(sparse_gguf), "--port",
+                        str(sparse_server.port), "--log-level", "error"], capture_output=True, text=True, timeout=90)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
