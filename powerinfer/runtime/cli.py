@@ -114,6 +114,9 @@ def bench_report(model: Transformer, st: GenStats, path: str) -> str:
                          f"(predicted active{fired})")
         nb = decode_bytes_per_token(model, st.decode_active_share, st.decode_fired_share)
         lines.append(f"  weights read: {format_bytes(nb)} per token -> {nb * st.gen_tps / 1e9:.1f} GB/s effective")
+    from .hybrid import placement_lines  # --vram-budget: MB per device, busy share of decode time
+
+    lines += placement_lines(model, st.n_eval)
     return "\n".join(lines) + "\n"
 
 

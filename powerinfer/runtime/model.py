@@ -61,6 +61,7 @@ class Layer:
     wo: torch.Tensor  # [D, Hq d]
     bo: torch.Tensor | None  # [D]
     ffn: FFN
+    on_device: bool = False  # attention, norms, predictor and KV cache on the offload device (hybrid.py)
 
 
 class KVCache:
@@ -74,6 +75,32 @@ class KVCache:
                                   f"more than the {avail / 2**30:.1f} GiB of memory available: ask for less with -c")
         self.k = torch.zeros(n_layer, n_ctx, n_head_kv, head_dim, dtype=dtype)
         self.v = torch.zeros_like(self.k)
+        self._row = list(range(n_layer))  # layer -> its row of k/v (None once on a device)
+        self._moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (k, v) on a device
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s keys and values ``[n_ctx, Hkv, d]`` each, on the device that layer runs on."""
+        r = self._row[i]
+        return (self.k[r], self.v[r]) if r is not None else self._moved[i]
+
+    def move_layers(self, ids: list[int], device: torch.device | str, dtype: torch.dtype) -> None:
+        """Keep layers ``ids``' keys and values on ``device`` in ``dtype`` (what they hold so far is
+        copied); the CPU block shrinks to the remaining layers."""
+        for i in ids:
+            if self._row[i] is not None:
+                k, v = self.layer(i)
+                self._moved[i] = (k.to(device, dtype, copy=True), v.to(device, dtype, copy=True))
+        keep = [i for i in range(len(self._row)) if i not in self._moved]
+        rows = torch.tensor([self._row[i] for i in keep], dtype=torch.long)
+        self.k, self.v = self.k.index_select(0, rows), self.v.index_select(0, rows)
+        self._row = [None] * len(self._row)
+        for r, i in enumerate(keep):
+            self._row[i] = r
+
+
+def _size(nbytes: int) -> str:
+    """``512 MiB`` or ``2.0 GiB``."""
+    return f"{nbytes / 2**20:.0f} MiB" if nbytes < 2**30 else f"{nbytes / 2**30:.1f} GiB"
 
 
 def _available_memory() -> int | None:
@@ -257,6 +284,25 @@ class Transformer:
         self.cos, self.sin = rope_tables(self.n_ctx, a.n_rot, a.rope_base)
         self.cache = KVCache(a.n_layer, self.n_ctx, a.n_head_kv, a.head_dim, dtype)
         self.mask_fn: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self.placement = None  # hybrid.DevicePlacement once offloaded: device, dtype, timing
+        self.head_on_device = False  # output norm and matrix on the offload device
+        self._rope_on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _rope(self, device: torch.device, pos: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin rows ``pos..pos+T-1`` on ``device`` (copied there once)."""
+        if device.type == "cpu":
+            return self.cos[pos:pos + T], self.sin[pos:pos + T]
+        if device not in self._rope_on:
+            self._rope_on[device] = (self.cos.to(device), self.sin.to(device))
+        cos, sin = self._rope_on[device]
+        return cos[pos:pos + T], sin[pos:pos + T]
+
+    def _side(self, x: torch.Tensor, on_device: bool) -> torch.Tensor:
+        """``x`` on the offload device (in its dtype) or on the CPU (in the model's dtype)."""
+        p = self.placement
+        if p is None:
+            return x
+        return x.to(p.device, p.dtype) if on_device else x.to("cpu", self.dtype)
 
     # ------------------------------------------------------------------ forward
     def attention(self, i: int, layer: Layer, x: torch.Tensor, pos: int) -> torch.Tensor:
@@ -266,21 +312,22 @@ class Transformer:
         q, k, v = qkv.split([a.n_head * hd, a.n_head_kv * hd, a.n_head_kv * hd], dim=-1)
         q, k = q.view(T, a.n_head, hd), k.view(T, a.n_head_kv, hd)
         if self.rope is not None:
-            cos, sin = self.cos[pos:pos + T], self.sin[pos:pos + T]
+            cos, sin = self._rope(x.device, pos, T)
             q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
-        self.cache.k[i, pos:pos + T] = k
-        self.cache.v[i, pos:pos + T] = v.view(T, a.n_head_kv, hd)
+        ck, cv = self.cache.layer(i)  # [n_ctx, Hkv, d] on x's device
+        ck[pos:pos + T] = k
+        cv[pos:pos + T] = v.view(T, a.n_head_kv, hd)
         S, W = pos + T, a.sliding_window
         k0 = max(0, pos + 1 - W) if W else 0  # the earliest key the first query may see
-        if T == 1:  # decode: one query against the cache
-            o = attend_one(q[0], self.cache.k[i, k0:S], self.cache.v[i, k0:S])  # [Hq, d]
+        if T == 1 and x.device.type == "cpu":  # decode: one query against the cache (C kernel)
+            o = attend_one(q[0], ck[k0:S], cv[k0:S])  # [Hq, d]
             return linear(o.reshape(1, a.n_head * hd), layer.wo, layer.bo)
-        kk = self.cache.k[i, k0:S].transpose(0, 1)  # [Hkv, S - k0, d]
-        vv = self.cache.v[i, k0:S].transpose(0, 1)
+        kk = ck[k0:S].transpose(0, 1)  # [Hkv, S - k0, d]
+        vv = cv[k0:S].transpose(0, 1)
         mask = None
         if T > 1:
-            qpos = torch.arange(pos, S)[:, None]
-            kpos = torch.arange(k0, S)[None, :]
+            qpos = torch.arange(pos, S, device=x.device)[:, None]
+            kpos = torch.arange(k0, S, device=x.device)[None, :]
             mask = kpos <= qpos
             if W:
                 mask &= kpos > qpos - W
@@ -306,19 +353,36 @@ class Transformer:
         if self.pos_embd is not None:
             off = pos + self.args.family.learned_pos_offset
             x = x + self.pos_embd[off:off + T]
-        parallel = self.args.family.parallel_attn
+        pl = self.placement  # offloaded: the residual moves to a layer's side (a few KB), never weights
+        if pl is not None:
+            pl.begin_forward()
         for i, layer in enumerate(self.layers):
-            if parallel:  # Falcon: both branches read the layer input x
-                xa = layer.attn_norm(x)
-                xn = xa if layer.ffn_norm is layer.attn_norm else layer.ffn_norm(x)
-                x = x + self.attention(i, layer, xa, pos) + self._ffn(i, layer, x, xn)
-            else:
-                x = x + self.attention(i, layer, layer.attn_norm(x), pos)
-                x = x + self._ffn(i, layer, x, layer.ffn_norm(x))
+            x = self._side(x, layer.on_device)
+            if pl is not None:
+                pl.segment_start(layer.on_device)
+            x = self.block(i, layer, x, pos)
+            if pl is not None:
+                pl.segment_end(layer.on_device)
         if not all_logits:
             x = x[-1:]
+        x = self._side(x, self.head_on_device)
+        if pl is not None:
+            pl.segment_start(self.head_on_device)
         logits = linear(self.output_norm(x), self.output)
-        return logits.float() if all_logits else logits[0].float()
+        logits = logits.float().cpu() if all_logits else logits[0].float().cpu()
+        if pl is not None:
+            pl.segment_end(self.head_on_device)
+            pl.end_forward(T)
+        return logits
+
+    def block(self, i: int, layer: Layer, x: torch.Tensor, pos: int) -> torch.Tensor:
+        """Layer ``i`` on ``x`` ``[T, D]`` (on the device the layer's attention lives on)."""
+        if self.args.family.parallel_attn:  # Falcon: both branches read the layer input x
+            xa = layer.attn_norm(x)
+            xn = xa if layer.ffn_norm is layer.attn_norm else layer.ffn_norm(x)
+            return x + self.attention(i, layer, xa, pos) + self._ffn(i, layer, x, xn)
+        x = x + self.attention(i, layer, layer.attn_norm(x), pos)
+        return x + self._ffn(i, layer, x, layer.ffn_norm(x))
 
     def oracle_masks(self) -> None:
         """Use the true active set instead of the predictor (for tests and predictor studies)."""
