@@ -19,6 +19,7 @@ from __future__ import annotations
 from .base import (DENSE_ACTIVATIONS, FAMILIES, SPARSE_ACTIVATIONS, Activation, Family, TensorRule,
                    activation_from_config, adapt_config, family_for_config, family_for_gguf_arch, get_attr,
                    hf_dims, model_layers, read_hf_config, register_family, rope_theta, weight_and_bias)
+from .activation_source import ACTIVATION_CHOICES, ffn_activation_override, resolve_activation
 from .llama import PROSPARSE, RELU_LLAMA  # noqa: E402  (registration order: llama first)
 from .bamboo import BAMBOO  # noqa: E402
 from .falcon import FALCON  # noqa: E402
@@ -29,4 +30,5 @@ __all__ = [
     "register_family", "family_for_config", "family_for_gguf_arch", "read_hf_config", "adapt_config",
     "activation_from_config", "hf_dims", "rope_theta", "get_attr", "model_layers", "weight_and_bias",
     "RELU_LLAMA", "PROSPARSE", "BAMBOO", "FALCON", "OPT",
+    "ACTIVATION_CHOICES", "ffn_activation_override", "resolve_activation",
 ]

@@ -39,10 +39,17 @@ class Activation:
     ``relu``: ``relu(v)``, active when ``v > 0``. ``fatrelu`` (ProSparse): ``v`` if
     ``v >= threshold`` else 0, active when ``v >= threshold``. Dense activations
     (``silu``, ``gelu``) have no active rule: every neuron always contributes.
+
+    ``origin`` says what decided the activation (``config.json hidden_act``, the model's
+    modelling file read as text, ``--ffn-activation``, the family default) and ``note``
+    what a refusal of a dense activation should add (how to state a ReLU model); neither
+    takes part in comparisons. See :mod:`powerinfer.families.activation_source`.
     """
 
     kind: str
     threshold: float = 0.0
+    origin: str = field(default="", compare=False)
+    note: str = field(default="", compare=False)
 
     @property
     def is_sparse(self) -> bool:
