@@ -18,8 +18,8 @@ import torch
 
 from . import models
 from .errors import PowerInferError
-from .families import (Activation, Family, activation_from_config, adapt_config, family_for_config,
-                       read_hf_config)
+from .families import (Activation, Family, adapt_config, family_for_config, read_hf_config,
+                       resolve_activation)
 
 models.register()
 
@@ -36,11 +36,8 @@ def resolve_model(model_dir: str | Path) -> tuple[Family, dict[str, Any], Activa
     raw = read_hf_config(model_dir)
     fam = family_for_config(raw, src)
     cfg = adapt_config(fam, raw, src)
-    try:
-        act = activation_from_config(cfg, fam)
-    except PowerInferError as e:
-        raise PowerInferError(f"{src}: {e}") from None
-    return fam.for_config(cfg), cfg, act
+    act, cfg = resolve_activation(model_dir, fam, raw, cfg)  # config key, else modelling code as text, else
+    return fam.for_config(cfg), cfg, act  # --ffn-activation, else the family default
 
 
 def _adapted_config(model_dir: str | Path):

@@ -116,4 +116,4 @@ def require_sparse(act: Activation, model_dir: str | Path, what: str) -> None:
     if not act.is_sparse:
         raise PowerInferError(
             f"{Path(model_dir) / 'config.json'}: activation {act.kind!r} is dense (every neuron fires for "
-            f"every token), so {what} needs a ReLU-family model (hidden_act relu or fatrelu)")
+            f"every token), so {what} needs a ReLU-family model (hidden_act relu or fatrelu){act.note}")

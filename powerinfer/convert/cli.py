@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from ..activation_flag import ffn_activation_option
 from ..errors import PowerInferError, cli_errors
 from .tensor_types import DEFAULT_PREDICTOR_TYPE, OUTTYPES, PREDICTOR_TYPES
 
@@ -27,6 +28,7 @@ from .tensor_types import DEFAULT_PREDICTOR_TYPE, OUTTYPES, PREDICTOR_TYPES
               help="GiB of GPU memory: also write <outfile>.generated.gpuidx placing the hottest neurons.")
 @click.option("--activation", "activation_dir", type=click.Path(file_okay=False), default=None,
               help="Activation folder for the placement (default: MODEL_DIR/activation).")
+@ffn_activation_option
 @cli_errors
 def main(model_dir, pred_dir, outfile, outtype, predictor_type, sparse_threshold, vram_budget, activation_dir):
     """Write MODEL_DIR as a PowerInfer GGUF with the predictors in PRED_DIR, or a dense GGUF without."""

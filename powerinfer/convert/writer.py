@@ -159,6 +159,8 @@ def _add_hparams(w: gguf.GGUFWriter, family: Family, cfg: dict, dims: dict, act:
     for key, value in (family.gguf_kv(cfg) if family.gguf_kv is not None else {}).items():
         _add_kv(w, key, value)
     w.add_string("powerinfer.activation", act.kind)
+    if act.origin:  # what decided it: the config key, the modelling file read as text, --ffn-activation
+        w.add_string("powerinfer.activation_source", act.origin)
     if act.kind == "fatrelu":
         w.add_float32("powerinfer.activation_threshold", act.threshold)
 
@@ -213,7 +215,7 @@ def convert(model_dir: str | Path, outfile: str | Path, pred_dir: str | Path | N
     if sparse:
         if not act.is_sparse:
             raise PowerInferError(f"{model_dir / 'config.json'}: activation {act.kind!r} is not ReLU-family, so its FFN "
-                                  "has no sparsity to predict; convert without predictors for a dense GGUF")
+                                  "has no sparsity to predict; convert without predictors for a dense GGUF" + act.note)
         predictors = load_predictor_dir(pred_dir, dims["n_layer"], dims["n_embd"], dims["n_ff"])
         if sparse_threshold is None:
             sparse_threshold = float(read_predictor_config(pred_dir).get("sparse_threshold", 0.0))

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import click
 
 from ..calibrate.options import calibration_options
+from ..activation_flag import ffn_activation_option
 from ..errors import cli_errors
 
 __all__ = ["main", "format_table"]
@@ -54,6 +55,7 @@ def profile_table(stats: dict[str, Any]) -> str:
               help="Tokens per packed sequence (BOS + text).")
 @click.option("--text-field", default="text", show_default=True, help="JSON field holding the text.")
 @calibration_options("--forward-batch", "--batch-size")
+@ffn_activation_option
 @cli_errors
 def main(model_dir: Path, data: str, out_dir: Path, max_tokens: int, seq_len: int, text_field: str,
          device: str, dtype: str | None, threads: int | None, forward_batch: int, work_dir: Path | None) -> None:

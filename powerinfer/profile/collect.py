@@ -199,6 +199,7 @@ def profile_model_dir(model_dir: str | Path, data: str | Path, out_dir: str | Pa
     n_tokens = sum(res.n_tokens.values())
     stats = activation_stats(counts, n_tokens)
     stats.update(model=str(model_dir), data=str(data), family=session.family.name, activation=session.act.kind,
+                 activation_source=session.act.origin,
                  n_ff=dims["n_ff"], n_embd=dims["n_embd"], seconds=round(seconds, 3), stream=res.summary(),
                  settings=dict(max_tokens=max_tokens, seq_len=seq_len, batch_size=batch_size,
                                text_field=text_field, threads=threads, device=str(session.device),

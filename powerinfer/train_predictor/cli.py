@@ -14,6 +14,7 @@ from typing import Any
 import click
 
 from ..calibrate.options import calibration_options
+from ..activation_flag import ffn_activation_option
 from ..errors import cli_errors
 from ..profile.cli import format_table
 from .search import DEFAULT_TARGET_RECALL
@@ -80,6 +81,7 @@ def predictor_table(config: dict[str, Any]) -> str:
                    "so a large model is read from disk once.")
 @calibration_options("--forward-batch")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed for initialisation and shuffling.")
+@ffn_activation_option
 @cli_errors
 def main(model_dir: Path, data: str, out_dir: Path, max_tokens: int, heldout_tokens: int | None,
          heldout_frac: float, seq_len: int, epochs: int, patience: int, batch_size: int, lr: float | None,

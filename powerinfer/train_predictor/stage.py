@@ -122,6 +122,7 @@ def train_predictor_dir(model_dir: str | Path, data: str | Path, out_dir: str | 
         counts = res.all_counts()
         stats = activation_stats(counts, sum(res.n_tokens.values()))
         stats.update(model=str(model_dir), data=str(data), family=family.name, activation=act.kind, n_ff=n_ff,
+                     activation_source=act.origin,
                      n_embd=n_embd, seconds=round(t_collect, 3), stream=res.summary(),
                      settings=dict(max_tokens=max_tokens, heldout_tokens=heldout_tokens, seq_len=seq_len,
                                    batch_size=collect_batch_size, text_field=text_field, splits=plan.splits,
@@ -182,7 +183,7 @@ def train_predictor_dir(model_dir: str | Path, data: str | Path, out_dir: str | 
                               probes=srch["probes"])
     config = dict(
         sparse_threshold=float(settings.threshold),
-        model=str(model_dir), family=family.name, activation=act.kind,
+        model=str(model_dir), family=family.name, activation=act.kind, activation_source=act.origin,
         n_layer=n_layer, n_embd=n_embd, n_ff=n_ff,
         hidden=widths, predictor_params=p_params, model_params=n_params, predictor_share=p_params / n_params,
         sizing="fixed width" if hidden is not None else "budget" if target_recall is None else "target recall",
