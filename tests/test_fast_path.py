@@ -231,9 +231,9 @@ def test_pi_run_bench_reports_speed_ffn_share_and_active_share(all_active_file):
 
 
 def test_default_threads_one_for_small_models_all_cores_for_big(all_active_file, monkeypatch):
-    from powerinfer.runtime import cli
+    from powerinfer.runtime import loading
 
     model = Transformer(open_gguf(all_active_file), torch.float32)
-    assert cli.default_threads(model) == 1
-    monkeypatch.setattr(cli, "SMALL_MODEL_BYTES", 0)
-    assert cli.default_threads(model) == torch.get_num_threads()
+    assert loading.default_threads(model) == 1
+    monkeypatch.setattr(loading, "SMALL_MODEL_BYTES", 0)
+    assert loading.default_threads(model) == torch.get_num_threads()
