@@ -30,6 +30,8 @@ __all__ = ["CheckpointReader"]
 
 MAX_INDEX_BYTES = 64 << 20
 MAX_TENSORS = 1 << 20
+_TORCH_DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int8: "I8", torch.uint8: "U8", torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL"}
 
 
 class CheckpointReader:
@@ -162,6 +164,23 @@ class CheckpointReader:
             raise
         except Exception as e:  # noqa: BLE001
             raise PowerInferError(f"{path}: could not read tensor {name!r} ({str(e).splitlines()[0]})") from None
+
+    def dtype(self, key: str) -> str | None:
+        """Stored dtype of tensor ``key`` in safetensors' spelling (``F32``, ``BF16``, ``I8``...),
+        from the shard header; None when absent."""
+        name = self.resolve(key)
+        if name is None:
+            return None
+        path = self._files[name]
+        try:
+            if path.suffix == ".safetensors":
+                return str(self._open_safe(path).get_slice(name).get_dtype())
+            t = self._open_bin(path)[name]
+        except PowerInferError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise PowerInferError(f"{path}: could not read tensor {name!r} ({str(e).splitlines()[0]})") from None
+        return _TORCH_DTYPE_NAMES.get(t.dtype, str(t.dtype).removeprefix("torch.").upper())
 
     def __contains__(self, key: str) -> bool:
         return self.resolve(key) is not None

@@ -42,18 +42,35 @@ def save_activation_dir(out_dir: str | Path, counts: Sequence[torch.Tensor], sta
 
 
 def layer_files(folder: str | Path, pattern: re.Pattern[str], what: str) -> dict[int, Path]:
-    """Map layer number -> file for names matching ``pattern`` (group 1 = layer)."""
+    """Map layer number -> file for names matching ``pattern`` (group 1 = layer).
+
+    Only the exact name counts (``model_1.pt``, never ``model_01.pt``); a folder holding both
+    spellings of one layer is ambiguous and refused (PowerInferError naming both files), and a
+    lone zero-padded name is named in the "missing layer" error of :func:`check_layers`.
+    """
     folder = Path(folder)
+    if not folder.is_dir():
+        from ._atomic import recover
+
+        recover(folder)  # a folder swap killed halfway is finished (or undone) first
     if not folder.is_dir():
         raise PowerInferError(f"{folder}: {what} folder not found")
     found: dict[int, Path] = {}
-    for p in folder.iterdir():
+    padded: dict[int, Path] = {}
+    for p in sorted(folder.iterdir()):
         m = pattern.fullmatch(p.name)
         if m and p.is_file():
             i = int(m.group(1))
             if i >= MAX_LAYERS:
                 raise PowerInferError(f"{p}: layer number {i} is out of range")
-            found[i] = p
+            if m.group(1) != str(i):
+                padded.setdefault(i, p)
+            else:
+                found[i] = p
+    for i, p in sorted(padded.items()):
+        if i in found:
+            raise PowerInferError(f"{folder}: both {found[i].name} and {p.name} are there for layer {i}; "
+                                  f"remove one (layer files are named without leading zeros)")
     return found
 
 
@@ -65,7 +82,12 @@ def check_layers(found: dict[int, Path], folder: Path, template: str, n_layer: i
     missing = [i for i in range(L) if i not in found]
     if missing:
         names = ", ".join(template.format(i=i) for i in missing[:5])
-        raise PowerInferError(f"{folder}: missing layer file(s) {names} ({what} folder must hold layers 0..{L - 1})")
+        head, tail = template.split("{i}")
+        padded = [p for i in missing[:5] for p in sorted(folder.glob(f"{head}0*{i}{tail}"))
+                  if re.fullmatch(re.escape(head) + f"0+{i}" + re.escape(tail), p.name)]
+        note = "".join(f"; {p.name} is not read (layer files are named without leading zeros)" for p in padded)
+        raise PowerInferError(f"{folder}: missing layer file(s) {names} ({what} folder must hold layers 0..{L - 1})"
+                              f"{note}")
     extra = sorted(i for i in found if i >= L)
     if extra:
         raise PowerInferError(f"{folder}: has {template.format(i=extra[0])} but the model has only {L} layers")
@@ -116,10 +138,13 @@ def load_activation_dir(folder: str | Path, n_layer: int | None = None, n_ff: in
 
 
 def load_activation_stats(folder: str | Path) -> dict[str, Any] | None:
+    """``powerinfer_stats.json`` of an activation folder as a dict, or None when there is none.
+
+    Raises PowerInferError naming the file when it is not UTF-8 JSON holding an object.
+    """
+    from ._json import read_json_object
+
     p = Path(folder) / STATS_FILE
-    if not p.is_file():
+    if not p.exists():
         return None
-    try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise PowerInferError(f"{p}: not valid JSON ({e})") from None
+    return read_json_object(p)

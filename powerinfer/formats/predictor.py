@@ -55,27 +55,57 @@ def save_predictor_dir(out_dir: str | Path, layers: Sequence[LayerPredictor], co
     return Path(out_dir)
 
 
+MAX_ABS_THRESHOLD = 1e4  # a logit threshold beyond this predicts every neuron (or none) active
+
+
+def check_sparse_threshold(t: Any, where: str) -> float:
+    """``t`` as the float sparse_threshold, or PowerInferError naming ``where``.
+
+    A number (not a bool: JSON ``true`` is not 1.0), finite, with ``|t| <= MAX_ABS_THRESHOLD``:
+    predictor logits are O(10), so a threshold of 1e30 computes no neuron at all (and 1e300
+    cannot even be stored as the GGUF's float32).
+    """
+    if isinstance(t, bool) or not isinstance(t, (int, float)):
+        raise PowerInferError(f"{where}: sparse_threshold must be a number, got {t!r}")
+    if not math.isfinite(t) or abs(t) > MAX_ABS_THRESHOLD:
+        raise PowerInferError(f"{where}: sparse_threshold {t!r} must be a finite number within "
+                              f"+-{MAX_ABS_THRESHOLD:g}")
+    return float(t)
+
+
 def read_predictor_config(folder: str | Path) -> dict[str, Any]:
+    """``config.json`` of a predictor folder ({} when absent); its ``sparse_threshold`` checked by
+    :func:`check_sparse_threshold`. Raises PowerInferError naming the file."""
+    from ._json import read_json_object
+
     p = Path(folder) / CONFIG_FILE
-    if not p.is_file():
+    if not p.exists():
         return {}
-    try:
-        cfg = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise PowerInferError(f"{p}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise PowerInferError(f"{p}: expected a JSON object")
-    t = cfg.get("sparse_threshold", 0.0)
-    if not isinstance(t, (int, float)) or not math.isfinite(t):
-        raise PowerInferError(f"{p}: sparse_threshold must be a finite number, got {t!r}")
+    cfg = read_json_object(p)
+    if "sparse_threshold" in cfg:
+        check_sparse_threshold(cfg["sparse_threshold"], str(p))
     return cfg
+
+
+def _check_tensor(t: Any, p: Path, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise PowerInferError(f"{p}: {name} must be a tensor, found a {type(t).__name__}")
+    if t.dim() != 2:
+        raise PowerInferError(f"{p}: {name} must be 2-D, has shape {tuple(t.shape)}")
+    if not t.is_floating_point():
+        raise PowerInferError(f"{p}: {name} holds {str(t.dtype).removeprefix('torch.')}, expected floats")
+    t = t.float()
+    if not bool(torch.isfinite(t).all()):
+        raise PowerInferError(f"{p}: {name} holds NaN or infinite values")
+    return t
 
 
 def load_predictor_dir(folder: str | Path, n_layer: int, n_embd: int, n_ff: int) -> list[LayerPredictor]:
     """Read and check every layer's predictor for a model of the given dimensions.
 
     Raises PowerInferError naming the file for a missing layer, an unreadable
-    file, missing/extra tensors, biases, or shapes that do not match the model.
+    file, missing/extra entries, biases, entries that are not 2-D floating-point tensors,
+    NaN/inf weights, or shapes that do not match the model.
     """
     folder = Path(folder)
     found = layer_files(folder, _NAME, "predictor")
@@ -85,15 +115,13 @@ def load_predictor_dir(folder: str | Path, n_layer: int, n_embd: int, n_ff: int)
         p = found[i]
         sd = torch_load(p)
         if not isinstance(sd, dict) or set(sd) != {"fc1.weight", "fc2.weight"}:
-            keys = sorted(sd) if isinstance(sd, dict) else type(sd).__name__
+            keys = sorted(map(str, sd)) if isinstance(sd, dict) else f"a {type(sd).__name__}"
             raise PowerInferError(f"{p}: expected exactly fc1.weight and fc2.weight, found {keys}")
-        fc1, fc2 = sd["fc1.weight"], sd["fc2.weight"]
-        if fc1.dim() != 2 or fc2.dim() != 2:
-            raise PowerInferError(f"{p}: fc1/fc2 must be 2-D")
+        fc1, fc2 = (_check_tensor(sd[k], p, k) for k in ("fc1.weight", "fc2.weight"))
         h = fc1.shape[0]
         if not (0 < h <= MAX_HIDDEN) or tuple(fc1.shape) != (h, n_embd) or tuple(fc2.shape) != (n_ff, h):
             raise PowerInferError(
                 f"{p}: predictor shapes fc1 {tuple(fc1.shape)}, fc2 {tuple(fc2.shape)} do not match the model "
                 f"(expected fc1 [H, n_embd={n_embd}], fc2 [n_ff={n_ff}, H])")
-        out.append(LayerPredictor(fc1.float(), fc2.float()))
+        out.append(LayerPredictor(fc1, fc2))
     return out
