@@ -224,3 +224,18 @@ def test_prompt_with_invalid_utf8_is_a_clean_error(stories_gguf):
                         "-p", b"\xff\xfe", "-n", "2"], capture_output=True, timeout=120)
     assert r.returncode == 1, r.stderr
     assert b"Traceback" not in r.stderr and b"UTF-8" in r.stderr
+
+
+# ------------------------------------------------------------------ 8. --help without loading torch
+@pytest.mark.parametrize("module", ["powerinfer.runtime.cli", "powerinfer.server.cli"])
+def test_cli_modules_do_not_import_torch_until_run(module):
+    code = f"import sys, {module}; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "False"]
+
+
+def test_dtype_names_match_the_runtime():
+    from powerinfer.runtime.weights import DTYPES
+
+    assert set(cli.DTYPE_NAMES) == set(DTYPES)

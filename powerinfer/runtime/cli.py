@@ -12,20 +12,30 @@ import statistics
 import sys
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import click
-import torch
 
 from .. import __version__
 from ..errors import PowerInferError, cli_errors
-from . import kernels
-from .generate import GenStats, SamplerSettings, decode_bytes_per_token, generate
-from .loading import SMALL_MODEL_BYTES, check_threads, default_threads, load_model, open_for_inference  # noqa: F401
-from .model import Transformer
-from .tokenizer import TextStream
-from .weights import DTYPES
+
+if TYPE_CHECKING:  # torch and the runtime load when the command runs, so --help answers at once
+    from .generate import GenStats
+    from .model import Transformer
 
 MAX_PROMPT_FILE_BYTES = 16 << 20  # -f: larger files are refused
 SEED_MAX = 2**63 - 1
+DTYPE_NAMES = ("bf16", "f32")  # runtime.weights.DTYPES, named here without importing torch
+_LOADING = ("SMALL_MODEL_BYTES", "check_threads", "default_threads", "load_model", "open_for_inference")
+
+
+def __getattr__(name: str):
+    """The model-opening helpers, once at home here, now in :mod:`powerinfer.runtime.loading`."""
+    if name in _LOADING:
+        from . import loading
+
+        return getattr(loading, name)
+    raise AttributeError(name)
 
 
 def read_prompt_file(path: str) -> str:
@@ -92,12 +102,17 @@ def format_bytes(nb: float) -> str:
 
 
 def _threads() -> str:
+    import torch
+
     n = torch.get_num_threads()
     return f"{n} thread{'s' if n > 1 else ''}"
 
 
-def bench_report(model: Transformer, st: GenStats, path: str) -> str:
+def bench_report(model: "Transformer", st: "GenStats", path: str) -> str:
     """The ``--bench`` summary: speed, where decode time goes, sparsity, bytes per token."""
+    from . import kernels
+    from .generate import decode_bytes_per_token
+
     mode = "dense" if model.dense else "sparse"
     lines = [f"bench: {path} ({model.args.family.name}, {mode}, {str(model.dtype).removeprefix('torch.')}, "
              f"kernels {kernels.backend()}, {_threads()})",
@@ -152,7 +167,7 @@ def bench_report(model: Transformer, st: GenStats, path: str) -> str:
               help="Activation folder for the neuron placement (default: activation/ beside the model).")
 @click.option("--reset-gpu-index", is_flag=True, help="Re-solve the placement even if a matching index exists.")
 @click.option("--disable-gpu-index", is_flag=True, help="Ignore --vram-budget and the GPU index: CPU only.")
-@click.option("--dtype", type=click.Choice(["auto", *sorted(DTYPES)]), default="auto", show_default=True,
+@click.option("--dtype", type=click.Choice(["auto", *DTYPE_NAMES]), default="auto", show_default=True,
               help="Compute dtype on the CPU (auto: bf16 if the CPU has bf16 dot products, else f32).")
 @click.option("--kernels", "kernel_backend", type=click.Choice(["auto", "c", "torch"]), default=None,
               help="Decode kernels: c (compiled once, fastest), torch (plain torch ops); "
@@ -173,6 +188,11 @@ def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_
          kernel_backend, conversation, interactive, system_prompt, bench):
     """Generate text with sparse FFNs: only the neurons the predictor marks active are computed."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    from . import kernels
+    from .generate import SamplerSettings, generate
+    from .loading import open_for_inference
+    from .tokenizer import TextStream
+
     check_sampler(n_predict, temp, top_k, top_p, seed, repeat_penalty, repeat_last_n)
     if prompt_file is not None:
         if click.get_current_context().get_parameter_source("prompt") == click.core.ParameterSource.COMMANDLINE:

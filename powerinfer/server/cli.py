@@ -15,6 +15,7 @@ import click
 
 from .. import __version__
 from ..errors import PowerInferError, cli_errors
+from ..runtime.cli import DTYPE_NAMES
 
 MAX_BODY_BYTES = 4 << 20
 
@@ -28,7 +29,7 @@ MAX_BODY_BYTES = 4 << 20
 @click.option("-c", "--ctx-size", default=0, help="Context length per request (0: the model's).")
 @click.option("-t", "--threads", default=0, help="CPU threads (0: chosen by model size, as pi-run).")
 @click.option("--dense", is_flag=True, help="Compute every FFN neuron even in a PWRI file.")
-@click.option("--dtype", type=click.Choice(["auto", "bf16", "f32"]), default="auto", show_default=True,
+@click.option("--dtype", type=click.Choice(["auto", *DTYPE_NAMES]), default="auto", show_default=True,
               help="Compute dtype on the CPU.")
 @click.option("--kernels", "kernel_backend", type=click.Choice(["auto", "c", "torch"]), default=None,
               help="Decode kernels (default auto, or $POWERINFER_KERNELS).")
