@@ -412,3 +412,23 @@ def test_cuda_budget_above_free_memory_is_clamped(sparse_file, caplog):
     offload(m, path, 1e6, device="cuda")
     assert "more than the" in caplog.text and "using" in caplog.text
     assert all(l.on_device for l in m.layers)
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+def test_quantized_file_keeps_quantized_kernels_and_equals_the_cpu_run(sparse_file, tmp_path, qtype):
+    from powerinfer.convert.quantize import quantize_file
+    from powerinfer.quant.qweight import QWeight
+    from powerinfer.runtime import kernels
+    if kernels.backend() != "c":
+        pytest.skip("quantized weights stay quantized with the C kernels only")
+    path, L, n_ff = sparse_file
+    q = quantize_file(path, tmp_path / f"m-{qtype}.powerinfer.gguf", qtype).path
+    prompt = [1, 403, 407, 261, 378, 432, 383, 286]
+    ref_logits, ref_tokens, _ = _run(q, None, prompt, 16)
+    m = Transformer(open_gguf(q))
+    place_model(m, 3, False, _masks("partial", L, n_ff), "cpu")
+    assert all(isinstance(l.ffn.cpu.up, QWeight) and isinstance(l.ffn.gpu.up, QWeight) for l in m.layers)
+    assert (_teacher_forced(m, prompt, 8) - ref_logits).abs().max().item() <= 1e-4
+    m2 = Transformer(open_gguf(q))
+    place_model(m2, 3, False, _masks("partial", L, n_ff), "cpu")
+    assert generate(m2, prompt, 16, SamplerSettings(temp=0.0)).token_ids == ref_tokens

@@ -142,12 +142,25 @@ class HybridFFN:
         self.cpu = part(self.cpu_ids, torch.device("cpu"), None, ffn.down_b)
         self.gpu = part(self.gpu_ids, self.device, dtype, ffn.down_b if self.cpu is None else None)
         self._ids: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._pending = None  # predicted-active count still on the device (read without a sync per layer)
         self.n_active = self.n_calls = 0
         self.t_ffn = self.t_predict = 0.0
 
     @property
     def sparse(self) -> bool:
         return self.fc1 is not None
+
+    @property
+    def n_active(self) -> int:
+        """Neurons computed, summed over calls (as :class:`FFN` counts them)."""
+        if self._pending is not None:
+            self._n_active += int(self._pending)
+            self._pending = None
+        return self._n_active
+
+    @n_active.setter
+    def n_active(self, v: int) -> None:
+        self._n_active, self._pending = v, None
 
     def nbytes(self) -> tuple[float, float]:
         """Weight bytes ``(device side, CPU side)``; the predictor counts where it runs."""
@@ -207,13 +220,18 @@ class HybridFFN:
         if mask is None and self.sparse:
             mask = self.predict(h)
             self.t_predict += time.perf_counter() - t0
+        host = None  # the mask on the CPU, when the CPU needs it (one copy of n_ff bools)
         if mask is not None:
             self.n_calls += xn.shape[0]
-            self.n_active += int(mask.sum())
+            host = mask if mask.device.type == "cpu" or self.cpu is None else mask.cpu()
+            if host.device.type == "cpu":
+                self.n_active += int(host.sum())
+            else:  # every neuron on the device: count there, no synchronisation
+                self._pending = host.sum() if self._pending is None else self._pending + host.sum()
         job = cold = hot = None
         if self.cpu is not None:  # the normed input and the cold part of the mask cross to the CPU
             xc = xn if xn.device.type == "cpu" else xn.to("cpu", self.cpu_dtype or torch.float32)
-            mc = None if mask is None else mask.index_select(1, self._on("cpu", mask.device)).cpu()
+            mc = None if host is None else host.index_select(1, self.cpu_ids)
             pool = None if self.placement is None else self.placement.worker
             if self.gpu is not None and pool is not None:
                 job = pool.submit(self._cold, xc, mc, torch.is_inference_mode_enabled())
