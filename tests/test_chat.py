@@ -210,3 +210,20 @@ def test_pi_run_cnv_in_a_terminal_session(stories):
     bad = subprocess.run([sys.executable, "-m", "powerinfer.runtime.cli", "-m", str(path), "-cnv", "-i"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "choose one" in bad.stderr
+
+
+@pytest.mark.parametrize("vocab", ["ggml-vocab-llama.gguf", "ggml-vocab-falcon.gguf"])
+def test_text_stream_pieces_add_up_to_the_whole_decode(vocab):
+    """The sliding window of TextStream: every delta joined gives decode(all), multi-byte characters
+    split across tokens included, over a text long enough for the window to slide many times."""
+    from powerinfer.runtime.tokenizer import TextStream
+
+    tok = GGUFTokenizer(open_gguf(need(SHARED / "tokenizers" / "gguf-vocab" / vocab)))
+    text = (Path(need(SHARED / "data" / "tinystories" / "tinystories_val.txt")).read_text()[:3000]
+            + " héllo wörld 😀🦙 中文字符 ünïcödé\n\tend" * 8)
+    ids = tok.encode(text)
+    for n_prompt in (0, 1, 5):
+        ts = TextStream(tok, ids[:n_prompt])
+        pieces = [ts.push(i) for i in ids[n_prompt:]]
+        assert tok.decode(ids[:n_prompt]) + "".join(pieces) == tok.decode(ids)
+        assert len(ts.ids) < 2 * TextStream.CONTEXT  # only a window is kept

@@ -118,10 +118,16 @@ class TextStream:
 
     Seeded with the prompt's ids, it emits what the new tokens add to ``decode(prompt)``:
     ``decode(prompt + generated) - decode(prompt)``, so the first generated piece keeps its
-    leading space (SentencePiece drops the space of a sequence's first piece)."""
+    leading space (SentencePiece drops the space of a sequence's first piece).
+
+    Only a window of the last :attr:`CONTEXT` to ``2 * CONTEXT`` tokens is decoded (the window
+    slides when the text so far is whole characters), so a push costs the same at token 10 and
+    token 10,000 instead of re-decoding everything."""
+
+    CONTEXT = 8
 
     def __init__(self, tok: GGUFTokenizer, prefix_ids: Sequence[int] = ()):
-        self.tok, self.ids = tok, list(prefix_ids)
+        self.tok, self.ids = tok, list(prefix_ids)[-self.CONTEXT:]
         self.emitted = tok.decode(self.ids) if self.ids else ""
 
     def push(self, token_id: int) -> str:
@@ -133,7 +139,11 @@ class TextStream:
         if not text.startswith(self.emitted):  # printed text stays: only what follows the common prefix is new
             n = next((i for i, (a, b) in enumerate(zip(text, self.emitted)) if a != b), min(len(text), n))
         delta = text[n:]
-        self.emitted = text
+        if len(self.ids) >= 2 * self.CONTEXT:  # slide: the last CONTEXT tokens, decoded on their own, are the base
+            self.ids = self.ids[-self.CONTEXT:]
+            self.emitted = self.tok.decode(self.ids)
+        else:
+            self.emitted = text
         return delta
 
 
