@@ -28,6 +28,7 @@ from pathlib import Path
 
 import click
 
+from .cli_params import FiniteFloat
 from .errors import PowerInferError, cli_errors
 
 
@@ -44,9 +45,9 @@ from .errors import PowerInferError, cli_errors
 @click.option("--output", required=True, type=str, help="Index file to write (<model>.generated.gpuidx).")
 @click.option("--model", "model", type=click.Path(dir_okay=False), default=None,
               help="Model file whose identity is stored in the index (ours; default: output minus .generated.gpuidx).")
-@click.option("--min-share", type=float, default=0.0, show_default=True,
+@click.option("--min-share", type=FiniteFloat(0, 1), default=0.0, show_default=True,
               help="Per-layer minimum as a share of n_ff (ours; combined with --threshold).")
-@click.option("--time-limit", type=float, default=30.0, show_default=True, help="Seconds for the MILP solver (ours).")
+@click.option("--time-limit", type=FiniteFloat(0, 86400, lo_open=True), default=30.0, show_default=True, help="Seconds for the MILP solver (ours).")
 @cli_errors
 def main(activation: str, neuron: int | None, capacity: int, layer: int | None, vram_capacity: int, batch: int,
          threshold: int, output: str, model: str | None, min_share: float, time_limit: float) -> None:

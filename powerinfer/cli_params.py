@@ -29,8 +29,11 @@ class FiniteFloat(click.ParamType):
         self.lo, self.hi, self.lo_open, self.hi_open = lo, hi, lo_open, hi_open
 
     def _range(self) -> str:
-        left = "-inf" if self.lo is None else f"{self.lo:g}"
-        right = "inf" if self.hi is None else f"{self.hi:g}"
+        def num(x: float) -> str:
+            return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
+
+        left = "-inf" if self.lo is None else num(self.lo)
+        right = "inf" if self.hi is None else num(self.hi)
         return f"{'(' if self.lo_open or self.lo is None else '['}{left}, {right}{')' if self.hi_open or self.hi is None else ']'}"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:

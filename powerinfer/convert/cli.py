@@ -7,8 +7,12 @@ from pathlib import Path
 import click
 
 from ..activation_flag import ffn_activation_option
+from ..cli_params import FiniteFloat
 from ..errors import PowerInferError, cli_errors
-from .tensor_types import DEFAULT_PREDICTOR_TYPE, OUTTYPES, PREDICTOR_TYPES
+from .type_names import DEFAULT_PREDICTOR_TYPE, OUTTYPES, PREDICTOR_TYPES
+
+MAX_ABS_THRESHOLD = 1e4  # = formats.predictor.MAX_ABS_THRESHOLD (that module imports torch; --help must not)
+MAX_BUDGET_GIB = 1 << 20  # = convert.gpu_index.MAX_BUDGET_GIB
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -22,9 +26,9 @@ from .tensor_types import DEFAULT_PREDICTOR_TYPE, OUTTYPES, PREDICTOR_TYPES
 @click.option("--predictor-type", type=click.Choice(PREDICTOR_TYPES, case_sensitive=False), default=None,
               help=f"Type of the predictor matrices fc1/fc2 (default: the outtype for f16/f32, "
                    f"{DEFAULT_PREDICTOR_TYPE} for quantized files).")
-@click.option("--sparse-threshold", type=float, default=None,
+@click.option("--sparse-threshold", type=FiniteFloat(-MAX_ABS_THRESHOLD, MAX_ABS_THRESHOLD), default=None,
               help="Predictor logit threshold (default: the predictor folder's config.json, else 0.0).")
-@click.option("--vram-budget", type=float, default=None,
+@click.option("--vram-budget", type=FiniteFloat(0, MAX_BUDGET_GIB), default=None,
               help="GiB of GPU memory: also write <outfile>.generated.gpuidx placing the hottest neurons.")
 @click.option("--activation", "activation_dir", type=click.Path(file_okay=False), default=None,
               help="Activation folder for the placement (default: MODEL_DIR/activation).")
@@ -32,21 +36,22 @@ from .tensor_types import DEFAULT_PREDICTOR_TYPE, OUTTYPES, PREDICTOR_TYPES
 @cli_errors
 def main(model_dir, pred_dir, outfile, outtype, predictor_type, sparse_threshold, vram_budget, activation_dir):
     """Write MODEL_DIR as a PowerInfer GGUF with the predictors in PRED_DIR, or a dense GGUF without."""
-    from ..families import hf_dims, read_hf_config  # torch and transformers: imported only to run, not for --help
-    from ..formats.activation import load_activation_dir
-    from .gpu_index import ensure_gpu_index
+    from ..formats.activation import load_activation_dir  # torch, transformers: imported to run, not for --help
+    from .gpu_index import check_budget, dense_bytes, ensure_gpu_index
     from .writer import convert
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     act_dir = Path(activation_dir) if activation_dir else Path(model_dir) / "activation"
-    if vram_budget is not None:  # check the placement inputs before writing anything
-        if vram_budget < 0:
-            raise PowerInferError(f"--vram-budget {vram_budget}: must be >= 0 GiB")
-        if activation_dir is not None or act_dir.is_dir():
-            dims = hf_dims(read_hf_config(model_dir))
-            load_activation_dir(act_dir, n_layer=dims["n_layer"], n_ff=dims["n_ff"])
+    before_write = None
+    if vram_budget is not None:  # check the placement inputs and the budget before writing anything
+        def before_write(tensors, dims):
+            dense = dense_bytes(tensors, dims["n_layer"], dims["n_embd"], dims["n_head"], dims["n_head_kv"],
+                                dims["n_ctx"])
+            check_budget(vram_budget, dense, dims["n_ctx"], outfile)
+            if activation_dir is not None or act_dir.is_dir():
+                load_activation_dir(act_dir, n_layer=dims["n_layer"], n_ff=dims["n_ff"])
     out = convert(model_dir, outfile, pred_dir, outtype.lower(), sparse_threshold,
-                  predictor_type=predictor_type.lower() if predictor_type else None)
+                  predictor_type=predictor_type.lower() if predictor_type else None, before_write=before_write)
     kind = "PowerInfer GGUF (PWRI, sparse)" if pred_dir else "dense GGUF"
     click.echo(f"wrote {out} ({kind}, {out.stat().st_size / 1e6:.2f} MB)")
     if vram_budget is not None:

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 
@@ -32,6 +34,7 @@ from .placement import neuron_bytes, place_neurons
 log = logging.getLogger(__name__)
 
 GIB = 1 << 30
+MAX_BUDGET_GIB = 1 << 20  # 1 PiB: more than any GPU; bounds int(budget * GIB)
 _FFN_ROWS = (".ffn_gate.weight", ".ffn_up.weight", ".ffn_down_t.weight", ".ffn_down.weight")
 _TYPE_NAMES = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q4_0"}
 
@@ -51,17 +54,33 @@ class GpuPlan:
         return float(sum(int(m.sum()) for m in self.gpu)) / max(1, sum(m.size for m in self.gpu))
 
 
+def dense_bytes(tensors: Iterable[tuple[str, int]], n_layer: int, n_embd: int, n_head: int, n_head_kv: int,
+                n_ctx: int) -> int:
+    """Bytes the GPU needs before any FFN neuron: the ``(name, bytes)`` tensors that are not FFN
+    rows nor token_embd, plus an f16 KV cache of ``n_ctx`` tokens."""
+    total = sum(int(n) for name, n in tensors if name != "token_embd.weight" and not name.endswith(_FFN_ROWS))
+    return total + 2 * n_layer * n_ctx * n_head_kv * (n_embd // n_head) * 2
+
+
 def dense_vram_bytes(g: GGUFFile, n_ctx: int) -> int:
-    """Bytes the GPU needs before any FFN neuron: non-FFN tensors (not token_embd) + f16 KV cache."""
-    tensors = sum(int(t.n_bytes) for t in g.reader.tensors
-                  if t.name != "token_embd.weight" and not t.name.endswith(_FFN_ROWS))
+    """:func:`dense_bytes` of a GGUF file."""
     arch = g.arch
-    n_layer = int(g.require(f"{arch}.block_count"))
-    n_embd = int(g.require(f"{arch}.embedding_length"))
     n_head = int(g.require(f"{arch}.attention.head_count"))
-    n_head_kv = int(g.get(f"{arch}.attention.head_count_kv", n_head))
-    kv = 2 * n_layer * n_ctx * n_head_kv * (n_embd // n_head) * 2
-    return tensors + kv
+    return dense_bytes(((t.name, int(t.n_bytes)) for t in g.reader.tensors), int(g.require(f"{arch}.block_count")),
+                       int(g.require(f"{arch}.embedding_length")), n_head,
+                       int(g.get(f"{arch}.attention.head_count_kv", n_head)), n_ctx)
+
+
+def check_budget(vram_budget_gib: float, dense: int, n_ctx: int, where: object) -> int:
+    """The budget in bytes; PowerInferError when it is negative, not finite, or below ``dense``."""
+    if not math.isfinite(vram_budget_gib) or not 0 <= vram_budget_gib <= MAX_BUDGET_GIB:
+        raise PowerInferError(f"--vram-budget {vram_budget_gib}: must be a number of GiB in 0..{MAX_BUDGET_GIB}")
+    budget = int(vram_budget_gib * GIB)
+    if budget < dense:
+        raise PowerInferError(
+            f"--vram-budget {vram_budget_gib} GiB cannot be met for {where}: its dense tensors and a "
+            f"{n_ctx}-token KV cache alone need {dense / GIB:.3f} GiB")
+    return budget
 
 
 def placement_inputs_id(counts: list, chunk: int, min_share: float) -> str:
@@ -101,20 +120,15 @@ def ensure_gpu_index(model_path: str | Path, vram_budget_gib: float, activation_
     too small for the dense tensors and KV cache, or an unreadable activation folder.
     """
     model_path = Path(model_path)
-    if vram_budget_gib < 0:
-        raise PowerInferError(f"--vram-budget {vram_budget_gib}: must be >= 0 GiB")
+    check_budget(vram_budget_gib, 0, 0, model_path)
     g = open_gguf(model_path)
     arch = g.arch
     n_layer = int(g.require(f"{arch}.block_count"))
     n_ff = int(g.require(f"{arch}.feed_forward_length"))
     n_embd = int(g.require(f"{arch}.embedding_length"))
     n_ctx = int(n_ctx or g.get(f"{arch}.context_length", 2048))
-    budget = int(vram_budget_gib * GIB)
     dense = dense_vram_bytes(g, n_ctx)
-    if budget < dense:
-        raise PowerInferError(
-            f"--vram-budget {vram_budget_gib} GiB cannot be met for {model_path}: its dense tensors and a "
-            f"{n_ctx}-token KV cache alone need {dense / GIB:.3f} GiB")
+    budget = check_budget(vram_budget_gib, dense, n_ctx, model_path)
     ffn_budget = budget - dense
     index_path = default_index_path(model_path)
     mid = model_identity(g)

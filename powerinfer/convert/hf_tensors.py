@@ -70,14 +70,27 @@ class HFTensors:
         return tuple(self._load_bin(f)[name].shape)
 
     def get(self, name: str) -> torch.Tensor:
-        """The tensor as stored (its own dtype), on CPU."""
-        f = self._where[name]
-        if self._kind == "safetensors":
-            from safetensors import safe_open
+        """The tensor as stored (its own dtype), on CPU.
 
-            with safe_open(str(f), framework="pt") as h:
-                return h.get_tensor(name)
-        return self._load_bin(f)[name]
+        Raises PowerInferError naming the shard when the tensor cannot be read (a file cut
+        short, a corrupt header).
+        """
+        f = self._where[name]
+        try:
+            if self._kind == "safetensors":
+                from safetensors import safe_open
+
+                with safe_open(str(f), framework="pt") as h:
+                    return h.get_tensor(name)
+            t = self._load_bin(f)[name]
+        except PowerInferError:
+            raise
+        except Exception as e:  # noqa: BLE001 - SafetensorError, a failed reshape of a short file, ...
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise PowerInferError(f"{f}: could not read tensor {name!r} ({first}; is the file truncated?)") from None
+        if not isinstance(t, torch.Tensor):
+            raise PowerInferError(f"{f}: {name!r} is a {type(t).__name__}, not a tensor")
+        return t
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)

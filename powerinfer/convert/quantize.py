@@ -33,7 +33,9 @@ import numpy as np
 from ..errors import PowerInferError
 from ..formats._atomic import atomic_path
 from ..formats.gguf_file import PWRI_BYTES, GGUFFile, open_gguf, read_magic, set_magic
+from ..progress import progress as progress_bar
 from ..quant.types import WRITE_TYPES, check_quantized
+from .outfile import check_outfile
 from .tensor_types import (FILE_TYPES, PREDICTOR_TYPES, UPSTREAM_Q8_0_SPARSE, Encoded, encode, fallback_note,
                            falls_back, tensor_type)
 
@@ -173,6 +175,7 @@ def quantize_file(src: str | Path, dst: str | Path, qtype: str, predictor_type: 
         raise PowerInferError(f"{src}: a GPU index file (generic.gpu_index), not a model; nothing to quantize")
     if dst.exists() and dst.resolve() == src.resolve():
         raise PowerInferError(f"{dst}: is the input file; give another output name")
+    check_outfile(dst, [src])  # only an earlier GGUF output may be replaced
 
     plan = []  # (tensor, torch shape, output type or None to copy as is)
     for t in g.reader.tensors:
@@ -212,9 +215,7 @@ def quantize_file(src: str | Path, dst: str | Path, qtype: str, predictor_type: 
         w.write_ti_data_to_file()
         it: Any = encoded
         if progress:
-            from tqdm import tqdm
-
-            it = tqdm(encoded, desc=f"quantizing {dst.name}", unit="tensor")
+            it = progress_bar(encoded, desc=f"quantizing {dst.name}", unit="tensor")
         for t, e in it:
             w.write_tensor_data(e)
             _drop_pages(g, t)

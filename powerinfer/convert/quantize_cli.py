@@ -6,9 +6,7 @@ import logging
 import click
 
 from ..errors import PowerInferError, cli_errors
-from ..quant.types import WRITE_TYPES
-from .quantize import quantize_file
-from .tensor_types import DEFAULT_PREDICTOR_TYPE, PREDICTOR_TYPES
+from .type_names import DEFAULT_PREDICTOR_TYPE, PREDICTOR_TYPES, QUANTIZE_TYPES
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -25,9 +23,11 @@ def main(infile, outfile, qtype, predictor_type, progress):
     Same magic, metadata (general.file_type updated), tensor names and order; norms and biases
     f32, output.weight Q8_0, rows not a multiple of 32 f16, quantized tensors copied as they are.
     """
+    from .quantize import quantize_file  # numpy and gguf: imported to run, not for --help
+
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
-    if qtype.lower() not in WRITE_TYPES:
-        raise PowerInferError(f"TYPE {qtype!r} is not supported; supported: {', '.join(sorted(WRITE_TYPES))}")
+    if qtype.lower() not in QUANTIZE_TYPES:
+        raise PowerInferError(f"TYPE {qtype!r} is not supported; supported: {', '.join(QUANTIZE_TYPES)}")
     res = quantize_file(infile, outfile, qtype, predictor_type.lower() if predictor_type else None, progress)
     click.echo(res.summary)
 

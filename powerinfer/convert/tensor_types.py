@@ -36,9 +36,7 @@ from ..quant.types import WRITE_TYPES
 
 QT = gguf.GGMLQuantizationType
 
-OUTTYPES = ("f16", "f32", "q4_0", "q8_0")  # pi-convert --outtype
-PREDICTOR_TYPES = ("f16", "q8_0", "q4_0")  # --predictor-type
-DEFAULT_PREDICTOR_TYPE = "q8_0"
+from .type_names import DEFAULT_PREDICTOR_TYPE, OUTTYPES, PREDICTOR_TYPES  # noqa: E402  (the CLIs' names)
 OUTPUT_TYPE = "q8_0"  # output.weight in quantized files
 
 GGML_TYPES = {"f32": QT.F32, "f16": QT.F16, "q4_0": QT.Q4_0, "q8_0": QT.Q8_0}

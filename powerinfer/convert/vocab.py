@@ -94,5 +94,56 @@ def add_vocab(writer: gguf.GGUFWriter, model_dir: str | Path, n_vocab: int) -> i
     special = gguf.SpecialVocab(Path(model_dir), load_merges=vocab.tokenizer_model == "gpt2", n_vocab=n_vocab)
     if vocab.tokenizer_model == "llama" and "unk" not in special.special_token_ids:
         special.special_token_ids["unk"] = vocab.sentencepiece_tokenizer.unk_id()
+    special.chat_template = None  # ours below, checked
     special.add_to_gguf(writer, quiet=True)
+    template = chat_template(model_dir)
+    if template is not None:
+        writer.add_chat_template(template)
     return len(tokens)
+
+
+MAX_CHAT_TEMPLATE = 1 << 20  # bytes; published templates are a few KB
+
+
+def chat_template(model_dir: str | Path) -> str | None:
+    """The model's chat template (Jinja source), or None when the folder has none.
+
+    From ``tokenizer_config.json``'s ``chat_template``: a string, or a list of
+    ``{"name", "template"}`` from which the one named ``default`` is taken; else from a
+    ``chat_template.jinja`` file beside it. ``pi-convert`` writes it as the GGUF key
+    ``tokenizer.chat_template``; it is untrusted text, only stored here (readers render it
+    sandboxed). Raises PowerInferError naming the file for another type, a list without a
+    ``default``, or a template longer than :data:`MAX_CHAT_TEMPLATE` bytes.
+    """
+    from ..formats._json import read_json_object
+
+    d = Path(model_dir)
+    src = d / "tokenizer_config.json"
+    value = read_json_object(src).get("chat_template") if src.is_file() else None
+    if value is None and (d / "chat_template.jinja").is_file():
+        src = d / "chat_template.jinja"
+        if src.stat().st_size > MAX_CHAT_TEMPLATE:
+            raise PowerInferError(f"{src}: chat template of {src.stat().st_size} bytes, more than {MAX_CHAT_TEMPLATE}")
+        try:
+            value = src.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise PowerInferError(f"{src}: not UTF-8 text (byte {e.start})") from None
+    if value is None:
+        return None
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        if "default" not in named:
+            raise PowerInferError(f"{src}: chat_template lists templates {sorted(map(str, named))[:5]} but none "
+                                  f"named 'default'")
+        value = named["default"]
+    if not isinstance(value, str):
+        raise PowerInferError(f"{src}: chat_template must be a string, found a {type(value).__name__}")
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise PowerInferError(f"{src}: chat_template holds an unpaired surrogate (not valid Unicode)") from None
+    if size > MAX_CHAT_TEMPLATE:
+        raise PowerInferError(f"{src}: chat_template is longer than {MAX_CHAT_TEMPLATE} bytes")
+    if "\x00" in value:
+        raise PowerInferError(f"{src}: chat_template holds a NUL character")
+    return value

@@ -31,7 +31,6 @@ activation from the architecture name, the model's real context length
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -41,11 +40,13 @@ import numpy as np
 import torch
 
 from ..errors import PowerInferError
-from ..families import Activation, Family, hf_dims, rope_theta
+from ..families import Activation, Family, rope_theta
 from ..formats._atomic import atomic_path
-from ..formats.gguf_file import GGUF_BYTES, PWRI_BYTES, read_magic, set_magic
-from ..formats.predictor import LayerPredictor, load_predictor_dir, read_predictor_config
-from ..hf import resolve_model
+from ..formats.gguf_file import PWRI_BYTES, set_magic
+from ..formats.predictor import LayerPredictor, check_sparse_threshold, load_predictor_dir, read_predictor_config
+from ..hf import check_model
+from ..progress import progress as progress_bar
+from .outfile import check_outfile
 from .hf_tensors import HFTensors
 from .tensor_types import (FILE_TYPES, OUTTYPES, PREDICTOR_TYPES, UPSTREAM_Q8_0_SPARSE, encode, fallback_note,
                            falls_back, nbytes, tensor_type)
@@ -185,7 +186,8 @@ def _model_name(model_dir: Path) -> str:
 
 def convert(model_dir: str | Path, outfile: str | Path, pred_dir: str | Path | None = None,
             outtype: str = "f16", sparse_threshold: float | None = None, progress: bool = True,
-            predictor_type: str | None = None) -> Path:
+            predictor_type: str | None = None,
+            before_write: Callable[[list[tuple[str, int]], dict], None] | None = None) -> Path:
     """Convert ``model_dir`` (+ ``pred_dir``) to ``outfile``; returns the output path.
 
     ``outtype``: ``f16`` (2-D weights in f16, 1-D in f32; what upstream PowerInfer
@@ -196,7 +198,12 @@ def convert(model_dir: str | Path, outfile: str | Path, pred_dir: str | Path | N
     ``sparse_threshold`` overrides the predictor folder's ``config.json``. Raises
     PowerInferError for unsupported models or types, predictor folders that do not
     match, unmappable tensors, or NaN/inf weights in a quantized tensor; nothing is
-    written at ``outfile`` then.
+    written at ``outfile`` then. The config must agree with the checkpoint
+    (:func:`powerinfer.hf.check_model`), and ``outfile`` may replace only an earlier GGUF that is
+    not an input (:func:`powerinfer.convert.outfile.check_outfile`).
+    ``before_write(tensors, dims)``: called with every planned ``(gguf_name, bytes)`` and the
+    model's dims once everything is checked, before the file is created; it may raise (the
+    ``--vram-budget`` check).
     """
     model_dir, outfile = Path(model_dir), Path(outfile)
     if outtype not in OUTTYPES:
@@ -204,12 +211,11 @@ def convert(model_dir: str | Path, outfile: str | Path, pred_dir: str | Path | N
     if predictor_type is not None and predictor_type not in PREDICTOR_TYPES:
         raise PowerInferError(f"--predictor-type {predictor_type!r} is not supported; "
                               f"supported: {', '.join(PREDICTOR_TYPES)}")
-    for d in (model_dir, None if pred_dir is None else Path(pred_dir)):  # a re-run may replace a GGUF there
-        if d is not None and outfile.is_file() and outfile.resolve().parent == d.resolve() \
-                and read_magic(outfile) not in (GGUF_BYTES, PWRI_BYTES):
-            raise PowerInferError(f"{outfile}: would overwrite an input file of {d}; write the GGUF somewhere else")
-    family, cfg, act = resolve_model(model_dir)
-    dims = hf_dims(cfg)
+    check_outfile(outfile, [model_dir, pred_dir])  # a re-run may replace a GGUF there, nothing else
+    if sparse_threshold is not None:
+        sparse_threshold = check_sparse_threshold(sparse_threshold, "--sparse-threshold")
+    checked = check_model(model_dir)
+    family, cfg, act, dims = checked.family, checked.cfg, checked.act, checked.dims
     sparse = pred_dir is not None
     predictors = None
     if sparse:
@@ -217,10 +223,8 @@ def convert(model_dir: str | Path, outfile: str | Path, pred_dir: str | Path | N
             raise PowerInferError(f"{model_dir / 'config.json'}: activation {act.kind!r} is not ReLU-family, so its FFN "
                                   "has no sparsity to predict; convert without predictors for a dense GGUF" + act.note)
         predictors = load_predictor_dir(pred_dir, dims["n_layer"], dims["n_embd"], dims["n_ff"])
-        if sparse_threshold is None:
+        if sparse_threshold is None:  # checked by read_predictor_config
             sparse_threshold = float(read_predictor_config(pred_dir).get("sparse_threshold", 0.0))
-        if not math.isfinite(sparse_threshold):
-            raise PowerInferError(f"--sparse-threshold {sparse_threshold}: must be a finite number")
         if outtype == "f32":
             log.warning("f32 output: upstream PowerInfer's CPU kernel reads ffn_down_t only as f16/Q4_0 "
                         "and computes garbage from f32; use this file with pi-run only")
@@ -240,7 +244,9 @@ def convert(model_dir: str | Path, outfile: str | Path, pred_dir: str | Path | N
     kept = [(pt.gguf_name, pt.shape) for pt in plan if falls_back(pt.gguf_name, pt.shape, outtype, predictor_type)]
     if kept:
         log.warning(fallback_note(kept, outtype))
-    n_vocab = int(cfg.get("vocab_size") or plan[0].shape[0])
+    n_vocab = checked.n_vocab  # the embedding's rows, which config.json's vocab_size was checked against
+    if before_write is not None:
+        before_write([(pt.gguf_name, nbytes(pt.shape, qt)) for pt, qt in zip(plan, types)], dims)
 
     with atomic_path(outfile) as tmp:
         w = gguf.GGUFWriter(str(tmp), family.gguf_arch)
@@ -256,9 +262,7 @@ def convert(model_dir: str | Path, outfile: str | Path, pred_dir: str | Path | N
         w.write_ti_data_to_file()
         it: Iterable[tuple[PlannedTensor, gguf.GGMLQuantizationType]] = list(zip(plan, types))
         if progress:
-            from tqdm import tqdm
-
-            it = tqdm(it, desc=f"writing {outfile.name}", unit="tensor")
+            it = progress_bar(it, desc=f"writing {outfile.name}", unit="tensor")
         for pt, qt in it:
             t = pt.load().detach().to(torch.float32)
             if tuple(t.shape) != pt.shape:

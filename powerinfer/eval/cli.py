@@ -19,14 +19,15 @@ import logging
 import sys
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 import click
-import torch
 
 from ..errors import PowerInferError, cli_errors
-from ..formats.gguf_file import open_gguf
-from ..runtime.cli import check_threads, default_threads, load_model
-from ..runtime.weights import DTYPES
-from .perplexity import ChunkInfo, PerplexityResult, chunk_tokens, perplexity, read_text
+from ..runtime.cli import DTYPE_NAMES
+
+if TYPE_CHECKING:  # torch and the runtime are imported when the command runs, so --help answers at once
+    from .perplexity import ChunkInfo, PerplexityResult
 
 DEFAULT_CTX = 512  # llama.cpp's default for llama-perplexity, capped by the model's context
 MODES = {"dense": "every FFN neuron", "predictor": "neurons the predictor marks active",
@@ -65,6 +66,9 @@ def _progress(label: str):
 
 def _load(s: Setup, mode: str):
     """Load the model for ``mode`` with the context ``-c`` asks for; check it fits."""
+    import torch
+
+    from ..runtime.cli import default_threads, load_model
     model, tok = load_model(s.model_path, s.dtype, dense=mode == "dense", n_ctx=s.ctx_size or DEFAULT_CTX)
     if s.ctx_size and model.n_ctx < s.ctx_size:
         raise PowerInferError(f"-c {s.ctx_size}: larger than the model's context length {model.n_ctx}")
@@ -76,6 +80,9 @@ def _load(s: Setup, mode: str):
 
 def _evaluate(s: Setup, mode: str, chunks: list[list[int]] | None, model=None, tok=None, header=False):
     """Perplexity in ``mode``; tokenizes and chunks the text when ``chunks`` is None."""
+    import torch
+
+    from .perplexity import chunk_tokens, perplexity
     if model is None:
         model, tok = _load(s, mode)
     if chunks is None:
@@ -127,7 +134,7 @@ def compare_table(results: dict[str, PerplexityResult]) -> str:
               help="Tokens per forward pass (default: the whole chunk; 1: token by token).")
 @click.option("-t", "--threads", default=0,
               help="CPU threads (0: 1 for models under 64 MB of weights per token, else torch's default).")
-@click.option("--dtype", type=click.Choice(["auto", *sorted(DTYPES)]), default="auto", show_default=True,
+@click.option("--dtype", type=click.Choice(["auto", *sorted(DTYPE_NAMES)]), default="auto", show_default=True,
               help="Compute dtype (auto: bf16 if the CPU has bf16 dot products, else f32).")
 @click.option("--dense", is_flag=True, help="Compute every FFN neuron even in a PWRI file.")
 @click.option("--oracle", is_flag=True, help="Compute exactly the truly active FFN neurons (needs a PWRI file).")
@@ -136,6 +143,10 @@ def compare_table(results: dict[str, PerplexityResult]) -> str:
 @cli_errors
 def main(model_path, text_path, ctx_size, n_chunks, n_batch, threads, dtype, dense, oracle, compare):
     """Perplexity of a model on a text, computed as llama.cpp's llama-perplexity does."""
+    from ..formats.gguf_file import open_gguf
+    from ..runtime.cli import check_threads
+    from .perplexity import read_text
+
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     if ctx_size < 0:
         raise PowerInferError(f"-c {ctx_size}: must be >= 0 (0: {DEFAULT_CTX} or the model's context length)")

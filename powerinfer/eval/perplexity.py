@@ -78,18 +78,41 @@ class PerplexityResult:
     token_nll: list[float] = field(default_factory=list, repr=False)  # per scored token, chunk order
 
 
+MAX_TEXT_BYTES = 256 << 20  # -f: larger texts are refused (wiki.test.raw is 1.3 MB)
+
+
 def read_text(path: str | Path) -> str:
     """The text of ``path`` as llama.cpp's ``-f`` reads it: whole file, one trailing ``\\n`` removed.
 
-    Raises PowerInferError for a missing/unreadable file, text that is not UTF-8, or an empty text.
+    Raises PowerInferError for a missing/unreadable file, anything but a regular file (a FIFO
+    would block, ``/dev/zero`` never ends), a file over :data:`MAX_TEXT_BYTES`, text that is not
+    UTF-8, or an empty text.
     """
+    import stat
+
     p = Path(path)
     try:
-        text = p.read_bytes().decode("utf-8")
+        st = p.stat()
     except FileNotFoundError:
         raise PowerInferError(f"{p}: no such file") from None
-    except IsADirectoryError:
-        raise PowerInferError(f"{p}: is a directory, expected a text file") from None
+    except OSError as e:
+        raise PowerInferError(f"{p}: cannot read it ({e.strerror or e})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise PowerInferError(f"{p}: is a directory, expected a text file")
+    if not stat.S_ISREG(st.st_mode):
+        raise PowerInferError(f"{p}: not a regular file (a pipe or device); give a text file")
+    if st.st_size > MAX_TEXT_BYTES:
+        raise PowerInferError(f"{p}: {st.st_size / 2**20:.0f} MiB, more than the {MAX_TEXT_BYTES >> 20} MiB of text "
+                              "pi-perplexity reads (cut it, or use --chunks on a shorter file)")
+    try:
+        with open(p, "rb") as f:
+            raw = f.read(MAX_TEXT_BYTES + 1)  # bounded even if the file grows meanwhile
+    except OSError as e:
+        raise PowerInferError(f"{p}: cannot read it ({e.strerror or e})") from None
+    if len(raw) > MAX_TEXT_BYTES:
+        raise PowerInferError(f"{p}: more than the {MAX_TEXT_BYTES >> 20} MiB of text pi-perplexity reads")
+    try:
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise PowerInferError(f"{p}: not UTF-8 text (byte {e.start})") from None
     text = text.removesuffix("\n")

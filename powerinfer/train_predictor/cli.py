@@ -17,7 +17,8 @@ from ..calibrate.options import calibration_options
 from ..activation_flag import ffn_activation_option
 from ..errors import cli_errors
 from ..profile.cli import format_table
-from .search import DEFAULT_TARGET_RECALL
+from ..cli_params import FiniteFloat
+from .defaults import DEFAULT_TARGET_RECALL
 
 __all__ = ["main", "predictor_table"]
 
@@ -45,7 +46,7 @@ def predictor_table(config: dict[str, Any]) -> str:
               help="Training tokens to collect.")
 @click.option("--heldout-tokens", default=None, type=click.IntRange(min=2),
               help="Held-out tokens to collect [default: max-tokens / 4].")
-@click.option("--heldout-frac", default=0.1, show_default=True, type=click.FloatRange(0, 1, min_open=True, max_open=True),
+@click.option("--heldout-frac", default=0.1, show_default=True, type=FiniteFloat(0, 1, lo_open=True, hi_open=True),
               help="Share of the documents (the last ones; of the tokens for texts under 20 documents) held "
                    "out for early stopping and metrics.")
 @click.option("--seq-len", default=256, show_default=True, type=click.IntRange(min=2),
@@ -55,9 +56,9 @@ def predictor_table(config: dict[str, Any]) -> str:
               help="Stop a layer after this many epochs without a better held-out score.")
 @click.option("--batch-size", default=1024, show_default=True, type=click.IntRange(min=1),
               help="Tokens per training step.")
-@click.option("--lr", default=None, type=click.FloatRange(min=0, min_open=True),
+@click.option("--lr", default=None, type=FiniteFloat(0, 10, lo_open=True),
               help="Peak AdamW learning rate [default: min(1e-2, 0.08/sqrt(n_embd))], cosine-decayed.")
-@click.option("--target-recall", default=None, type=click.FloatRange(0, 1),
+@click.option("--target-recall", default=None, type=FiniteFloat(0, 1),
               help=f"Per layer, the narrowest predictor whose held-out recall (at --threshold) reaches this, "
                    f"searched over widths step, 2 step, 4 step, ... up to the budget rule's width, then bisected; "
                    f"a width that stops improving recall, or the cap, ends the search (config.json records why); "
@@ -68,12 +69,12 @@ def predictor_table(config: dict[str, Any]) -> str:
                    f"fewer predictor parameters but +1.5% at 19.0% computed (narrower predictors mark more "
                    f"neurons active); 0.995 gives +0.18% at 15.8%. README: 'Predictor width from a target "
                    f"recall']")
-@click.option("--budget", default=None, type=click.FloatRange(0, 1, min_open=True),
+@click.option("--budget", default=None, type=FiniteFloat(0, 1, lo_open=True),
               help="Predictor parameters as a share of the model's [default: 0.09]: caps each layer's width "
                    "(widths follow sparsity), or sets it with --target-recall 0.")
 @click.option("--hidden", default=None, type=click.IntRange(min=1),
               help="Use this width for every layer (no search, no budget rule).")
-@click.option("--threshold", default=0.0, show_default=True, type=float,
+@click.option("--threshold", default=0.0, show_default=True, type=FiniteFloat(-1e4, 1e4),
               help="sparse_threshold: a neuron is predicted active when its logit >= this.")
 @click.option("--text-field", default="text", show_default=True, help="JSON field holding the text.")
 @click.option("--activation-out", default=None, type=click.Path(path_type=Path),

@@ -67,10 +67,10 @@ from typing import Any, Callable
 from ..formats._atomic import atomic_path
 from ..formats.collected import CollectedData
 from .train import FALSE_ALARM_COST, TRAIN_DIR, TrainSettings, heldout_metrics, train_layer
+from .defaults import DEFAULT_TARGET_RECALL
 
 __all__ = ["DEFAULT_TARGET_RECALL", "STALL_GAIN", "REACHED", "CAPPED", "STALLED", "width_ladder", "search_width"]
 
-DEFAULT_TARGET_RECALL = 0.99  # README "Predictor width from a target recall": benchmarks/bench_target_recall.py
 STALL_GAIN = 0.1  # a rung closing under 10% of the previous rung's gap to a perfect score: stopped improving
 SEARCH_DIR = "search"
 REACHED, CAPPED, STALLED = "reached target", "hit budget cap", "recall stopped improving"
