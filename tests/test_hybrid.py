@@ -117,7 +117,8 @@ def test_offload_builds_index_and_splits(sparse_file, tmp_path):
     assert tokens == ref_tokens and m2.active_share() == pytest.approx(ref_share)
 
 
-def test_pi_run_without_cuda_warns_and_runs_on_cpu(sparse_file, caplog):
+def test_pi_run_without_cuda_warns_and_runs_on_cpu(sparse_file, caplog, monkeypatch):
+    monkeypatch.delenv("POWERINFER_OFFLOAD_DEVICE", raising=False)
     from click.testing import CliRunner
 
     from powerinfer.runtime.cli import main
@@ -341,14 +342,14 @@ def test_pi_run_bench_prints_the_placement_per_device(sparse_file, tmp_path):
     m = Transformer(open_gguf(p))
     total = _weight_bytes(m)
     kv = _nbytes(m.cache.k) + _nbytes(m.cache.v)
-    dev = re.search(r"placement: cpu \(device side forced onto the CPU\): ([\d.]+) MB .*of (\d+)/(\d+) layers, "
+    dev = re.search(r"placement: device side \(cpu, forced onto the CPU\): ([\d.]+) MB .*of (\d+)/(\d+) layers, "
                     r"output, ([\d.]+)% of FFN neurons", r.output)
     assert dev, r.output
     assert float(dev[1]) == pytest.approx((total - _nbytes(m.tok_embd) + kv) / 1e6, abs=0.051)
     assert (int(dev[2]), int(dev[3]), float(dev[4])) == (L, L, 100.0)
-    cpu = re.search(r"cpu: ([\d.]+) MB \(weights ([\d.]+) MB, KV cache ([\d.]+) MB\)", r.output)
+    cpu = re.search(r"CPU side: ([\d.]+) MB \(weights ([\d.]+) MB, KV cache ([\d.]+) MB\)", r.output)
     assert float(cpu[2]) == pytest.approx(_nbytes(m.tok_embd) / 1e6, abs=0.051) and float(cpu[3]) == 0
-    busy = re.search(r"busy share of decode time: cpu ([\d.]+)%, cpu ([\d.]+)%", r.output)
+    busy = re.search(r"busy share of decode time: device side ([\d.]+)%, CPU side ([\d.]+)%", r.output)
     assert busy and 0 < float(busy[1]) <= 100 and float(busy[2]) <= 100
 
 

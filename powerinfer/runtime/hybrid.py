@@ -552,19 +552,19 @@ def placement_lines(model, n_decode: int) -> list[str]:
     if pl is None:
         return []
     L = len(model.layers)
-    dev = str(pl.device) + (" (device side forced onto the CPU)" if pl.device.type == "cpu" else "")
+    dev = f"device side ({pl.device}{', forced onto the CPU' if pl.device.type == 'cpu' else ''})"
     share = pl.n_gpu_neurons / max(1, pl.n_neurons)
     lines = [f"  placement: {dev}: {(pl.bytes['device'] + pl.kv_bytes['device']) / 1e6:.1f} MB "
              f"(weights {pl.bytes['device'] / 1e6:.1f} MB, KV cache {pl.kv_bytes['device'] / 1e6:.1f} MB): "
              f"attention, norms, predictors of {pl.n_layers}/{L} layers{', output' if pl.head else ''}, "
              f"{100 * share:.1f}% of FFN neurons",
-             f"             cpu: {(pl.bytes['cpu'] + pl.kv_bytes['cpu']) / 1e6:.1f} MB "
+             f"             CPU side: {(pl.bytes['cpu'] + pl.kv_bytes['cpu']) / 1e6:.1f} MB "
              f"(weights {pl.bytes['cpu'] / 1e6:.1f} MB, KV cache {pl.kv_bytes['cpu'] / 1e6:.1f} MB): "
              f"token embedding, {L - pl.n_layers}/{L} layers' dense parts"
              f"{'' if pl.head else ', output'}, {100 * (1 - share):.1f}% of FFN neurons"]
     steps = [r for r in pl.history if r[0] == 1][-n_decode:] if n_decode > 0 else []
     wall = sum(r[1] for r in steps)
     if wall > 0:
-        lines.append(f"  busy share of decode time: {pl.device} {100 * sum(r[2] for r in steps) / wall:.1f}%, "
-                     f"cpu {100 * sum(r[3] for r in steps) / wall:.1f}% (the sides overlap)")
+        lines.append(f"  busy share of decode time: device side {100 * sum(r[2] for r in steps) / wall:.1f}%, "
+                     f"CPU side {100 * sum(r[3] for r in steps) / wall:.1f}% (they overlap)")
     return lines
