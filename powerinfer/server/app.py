@@ -203,25 +203,30 @@ def _job(request_loop: asyncio.AbstractEventLoop, state: ServerState, req, ids: 
 
 
 async def _events(request: Request, job: Job) -> AsyncIterator[tuple[str, Any]]:
-    """The job's events; sets ``job.cancel`` and stops when the client disconnects."""
-    getter: asyncio.Task | None = None
+    """The job's events, text that arrived together merged into one; sets ``job.cancel`` and stops
+    when the client disconnects."""
     try:
         while True:
-            if getter is None:
-                getter = asyncio.ensure_future(job.out.get())
-            done, _ = await asyncio.wait({getter}, timeout=POLL_S)
-            if not done:
-                if await request.is_disconnected():
-                    return
+            if not job.events:
+                job.wake.clear()
+                if not job.events:
+                    try:
+                        await asyncio.wait_for(job.wake.wait(), POLL_S)
+                    except asyncio.TimeoutError:
+                        if await request.is_disconnected():
+                            return
+                    continue
+            text: list[str] = []
+            while job.events and job.events[0][0] == "text":
+                text.append(job.events.popleft()[1])
+            if text:
+                yield "text", "".join(text)
                 continue
-            kind, value = getter.result()
-            getter = None
+            kind, value = job.events.popleft()
             yield kind, value
             if kind in ("done", "error"):
                 return
     finally:
-        if getter is not None:
-            getter.cancel()
         job.cancel.set()  # no-op once done; stops the generation if the client left
 
 

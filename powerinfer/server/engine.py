@@ -15,7 +15,7 @@ import asyncio
 import logging
 import queue
 import threading
-import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from ..errors import PowerInferError
@@ -43,8 +43,10 @@ class Result:
 
 @dataclass
 class Job:
-    """One request: prompt ids, limits and sampler; events go to ``out`` on ``loop``:
-    ``("text", str)``, then ``("done", Result)`` or ``("error", str)``."""
+    """One request: prompt ids, limits and sampler. The worker appends events to ``events``:
+    ``("text", str)``, then ``("done", Result)`` or ``("error", str)``, and wakes the request's
+    handler on ``loop``; one wake-up may cover many tokens when the handler is slower than the
+    model (the handler then sends them as one chunk)."""
 
     ids: list[int]
     n_predict: int
@@ -52,15 +54,24 @@ class Job:
     stop: list[str]
     ignore_eos: bool
     loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue = field(default_factory=asyncio.Queue)
+    events: deque = field(default_factory=deque)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
     cancel: threading.Event = field(default_factory=threading.Event)
-    t_submit: float = field(default_factory=time.perf_counter)
+    _wake_pending: bool = False
 
     def emit(self, kind: str, value) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.out.put_nowait, (kind, value))
-        except RuntimeError:  # the event loop is closed: the server is shutting down
-            self.cancel.set()
+        """Called by the worker thread."""
+        self.events.append((kind, value))
+        if not self._wake_pending:
+            self._wake_pending = True
+            try:
+                self.loop.call_soon_threadsafe(self._wake_up)
+            except RuntimeError:  # the event loop is closed: the server is shutting down
+                self.cancel.set()
+
+    def _wake_up(self) -> None:  # on the event loop
+        self._wake_pending = False
+        self.wake.set()
 
 
 class Engine:
