@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..errors import PowerInferError
-from ..families import Activation, Family, hf_dims
+from ..families import Activation, Family
 from ..formats.collected import fingerprint
 from .distributed import Dist, env_int, init_distributed, resolve_device
 from .hooks import require_sparse
@@ -57,13 +57,15 @@ def open_session(model_dir: str | Path, what: str, device: str = "cpu", dtype: s
     """Resolve the model's family, refuse dense models, resolve the device and join torchrun.
 
     ``dtype``: ``f32``, ``bf16``, ``f16`` or None (:func:`default_dtype`). Raises
-    PowerInferError for an unsupported or dense model, an unknown dtype or device.
+    PowerInferError for an unsupported or dense model, a config that disagrees with its checkpoint
+    (:func:`powerinfer.hf.check_model`), an unknown dtype or device.
     """
-    from ..hf import resolve_model
+    from ..hf import check_model, resolve_model
 
     family, cfg, act = resolve_model(model_dir)
-    require_sparse(act, model_dir, what)
-    dims = hf_dims(cfg)
+    require_sparse(act, model_dir, what)  # a dense model is refused before its checkpoint is read
+    checked = check_model(model_dir)  # config values, layer count, every tensor's shape and dtype
+    family, cfg, act, dims = checked.family, checked.cfg, checked.act, checked.dims
     dev = resolve_device(device, env_int("LOCAL_RANK", 0))
     name = dtype or default_dtype(dev)
     if name not in DTYPES:

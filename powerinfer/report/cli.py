@@ -68,6 +68,10 @@ def main(act_dir: Path, pred_dir: Path | None, out_png: Path | None, json_out: P
     from ..formats._atomic import atomic_path
     from .plot import MISSING_MATPLOTLIB, REPORT_FILE, load_report_data, report_rows, write_report
 
+    for opt, target in (("-o", out_png), ("--json", json_out)):  # never over the folders' own files
+        if target is not None and target.exists() and target.name != REPORT_FILE and \
+                any(d is not None and target.resolve().parent == d.resolve() for d in (act_dir, pred_dir)):
+            raise PowerInferError(f"{opt} {target}: is a file of an input folder; refusing to replace it")
     data = load_report_data(act_dir, pred_dir)
     rows = report_rows(data)
     click.echo(report_table(rows))

@@ -62,6 +62,18 @@ class ReportData:
         return len(self.counts)
 
 
+def _check_record(rec: dict[str, Any], src: Path, layer: int) -> None:
+    """Per-layer predictor values from config.json: None, or shares in [0, 1] and a positive width."""
+    for k, v in rec.items():
+        if v is None:
+            continue
+        if k == "hidden":
+            if type(v) is not int or not 0 < v <= 1 << 20:
+                raise PowerInferError(f"{src}: layer {layer}: hidden must be a positive integer, got {v!r}")
+        elif isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+            raise PowerInferError(f"{src}: layer {layer}: {k} must be a share between 0 and 1, got {v!r}")
+
+
 def _predictor_records(pred_dir: Path, n_layer: int) -> tuple[list[dict[str, Any]], float]:
     """Per-layer ``{hidden, recall, pred_active, true_active}`` of a predictor folder for ``n_layer`` layers."""
     from ..formats.activation import check_layers, layer_files, torch_load
@@ -70,11 +82,16 @@ def _predictor_records(pred_dir: Path, n_layer: int) -> tuple[list[dict[str, Any
     found = layer_files(pred_dir, _NAME, "predictor")
     check_layers(found, pred_dir, "model_{i}.pt", n_layer, "predictor")
     cfg = read_predictor_config(pred_dir)
-    by_layer = {l.get("layer"): l for l in cfg.get("layers", []) if isinstance(l, dict)}
+    src = Path(pred_dir) / "config.json"
+    layers = cfg.get("layers", [])
+    if not isinstance(layers, list):
+        raise PowerInferError(f"{src}: layers must be a list of per-layer records, found a {type(layers).__name__}")
+    by_layer = {l.get("layer"): l for l in layers if isinstance(l, dict)}
     widths = cfg.get("hidden") if isinstance(cfg.get("hidden"), list) else []
     out = []
     for i in range(n_layer):
         rec = {k: by_layer.get(i, {}).get(k) for k in _PRED_KEYS}
+        _check_record(rec, src, i)
         if rec["hidden"] is None:
             rec["hidden"] = widths[i] if i < len(widths) else None
         if rec["hidden"] is None:  # not recorded: read the width from the file

@@ -27,7 +27,7 @@ def predictor_table(config: dict[str, Any]) -> str:
     """The per-layer summary ``pi-train-predictor`` prints (from the written config.json)."""
     searched = all("stop" in l for l in config["layers"])
     rows = [(l["layer"], l["hidden"], l["sparsity"], l["recall"], l["precision"], l["pred_active"],
-             l["true_active"], f"{l['best_epoch'] + 1}/{l['epochs']}", f"{l['train_seconds']:.1f}")
+             l["true_active"], f"{l['best_epoch']}/{l['epochs']}", f"{l['train_seconds']:.1f}")
             + ((l["cap"], "/".join(str(p["hidden"]) for p in l["probes"]), l["stop"]) if searched else ())
             for l in config["layers"]]
     return format_table(("layer", "H", "sparsity", "recall", "precision", "pred_active", "true_active",

@@ -92,6 +92,25 @@ def _stalled(prev: dict[str, Any], cur: dict[str, Any]) -> bool:
     return 1.0 - cur["score"] > (1.0 - STALL_GAIN) * (1.0 - prev["score"])
 
 
+def _record_ok(rec: dict[str, Any], cap: int) -> bool:
+    """Whether a search record read back from WORK/search has the structure this module writes."""
+    def num(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    probes = rec.get("probes")
+    if not isinstance(probes, dict) or not num(rec.get("seconds")) or not isinstance(rec.get("done"), bool):
+        return False
+    for h, pr in probes.items():
+        if not (isinstance(pr, dict) and str(pr.get("hidden")) == h and type(pr.get("hidden")) is int
+                and all(num(pr.get(k)) for k in ("recall", "pred_active", "score", "epochs"))
+                and isinstance(pr.get("reached"), bool)):
+            return False
+    if rec["done"]:
+        return type(rec.get("hidden")) is int and 0 < rec["hidden"] <= cap and \
+            rec.get("stop") in (REACHED, CAPPED, STALLED)
+    return True
+
+
 def search_width(data: CollectedData, layer: int, target: float, cap: int, step: int, settings: TrainSettings,
                  work_dir: str | Path, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Choose layer ``layer``'s width for held-out recall ``target`` and train it (module docstring).
@@ -122,8 +141,8 @@ def search_width(data: CollectedData, layer: int, target: float, cap: int, step:
             rec = json.loads(rec_path.read_text())
         except (OSError, json.JSONDecodeError):
             rec = {}
-        if not isinstance(rec, dict) or rec.get("key") != key:
-            rec = {}
+        if not isinstance(rec, dict) or rec.get("key") != key or not _record_ok(rec, cap):
+            rec = {}  # another run's, or damaged: searched again (finished probes are reused)
     resumed = "finished" if rec.get("done") else "partial" if rec.get("probes") else "no"
     rec = rec or dict(key=key, probes={}, seconds=0.0, done=False)
     t0 = time.perf_counter() - rec["seconds"]

@@ -51,7 +51,9 @@ def train_predictor_dir(model_dir: str | Path, data: str | Path, out_dir: str | 
        layer) on ``device``; the width search trains as it searches.
     4. Write ``out_dir`` atomically with :func:`powerinfer.formats.predictor.save_predictor_dir`:
        ``model_{i}.pt`` (fp32 ``fc1.weight`` ``[H_i, n_embd]``, ``fc2.weight`` ``[n_ff, H_i]``)
-       and ``config.json`` (``sparse_threshold``, per-layer sizes and held-out metrics,
+       and ``config.json`` (``sparse_threshold``, per-layer sizes and held-out metrics (``epochs``
+       run and ``best_epoch``, counted from 1 as the table prints them: ``best_epoch`` 3 of
+       ``epochs`` 6 is the third epoch),
        settings, per-layer calibration timings under ``stream``; with a target recall,
        per layer also the ``cap``, why the search stopped (``stop``) and the widths it tried
        (``probes``)). With ``activation_out``,
@@ -175,7 +177,7 @@ def train_predictor_dir(model_dir: str | Path, data: str | Path, out_dir: str | 
         layers.append(dict(layer=i, hidden=widths[i], sparsity=1.0 - share[i],
                            recall=info["recall"], precision=info["precision"],
                            pred_active=info["pred_active"], true_active=info["true_active"],
-                           heldout_tokens=info["n_tokens"], epochs=info["epochs"], best_epoch=info["best_epoch"],
+                           heldout_tokens=info["n_tokens"], epochs=info["epochs"], best_epoch=info["best_epoch"] + 1,
                            lr=info["lr"], train_seconds=info["seconds"], resumed=info["resumed"]))
         if i in searches:  # why this width: the budget cap, the reason the search stopped, the widths tried
             srch = searches[i]

@@ -226,6 +226,66 @@ def hopeless(history: Sequence[dict[str, Any]], target: float, epochs: int) -> b
     return bool(best[-1] + pace * (epochs - len(best)) < target)
 
 
+def _state_damage(sd: Any, model: torch.nn.Module) -> str | None:
+    """Why ``sd`` is not a state dict of ``model`` (keys, shapes, finite floats), or None."""
+    want = model.state_dict()
+    if not isinstance(sd, dict) or set(sd) != set(want):
+        return f"weights {sorted(map(str, sd)) if isinstance(sd, dict) else type(sd).__name__}, expected {sorted(want)}"
+    for k, t in sd.items():
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(want[k].shape) or not t.is_floating_point():
+            return f"{k}: expected a float tensor of shape {tuple(want[k].shape)}"
+        if not bool(torch.isfinite(t).all()):
+            return f"{k}: NaN or infinite weights"
+    return None
+
+
+def _damage(ckpt: dict[str, Any], model: torch.nn.Module, opt: torch.optim.Optimizer, epochs: int) -> str | None:
+    """Why a training checkpoint with the right key cannot be resumed, or None; when usable, an
+    unfinished run's model and optimiser states are loaded into ``model`` and ``opt``."""
+    def count(name: str, lo: int, hi: int) -> bool:
+        v = ckpt.get(name)
+        return type(v) is int and lo <= v <= hi
+
+    if not (count("epoch", 0, epochs) and count("bad_epochs", 0, epochs) and count("best_epoch", -1, epochs)):
+        return "epoch counters are not integers in range"
+    hist = ckpt.get("history")
+    if not isinstance(hist, list) or len(hist) != ckpt["epoch"] or not all(
+            isinstance(h, dict) and all(isinstance(h.get(k), (int, float)) and not isinstance(h.get(k), bool)
+                                        for k in ("recall", "pred_active", "true_active", "score")) for h in hist):
+        return "history is not one record of numbers per epoch"
+    for name in ("seconds", "best_score"):
+        v = ckpt.get(name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+            return f"{name} is not a number"
+    if not isinstance(ckpt.get("done"), bool):
+        return "done is not true or false"
+    if ckpt["epoch"] > 0 or ckpt["done"]:
+        if not 0 <= ckpt["best_epoch"] < ckpt["epoch"]:
+            return "best_epoch is not one of the epochs run"
+        why = _state_damage(ckpt.get("best_model"), model)
+        if why is not None:
+            return f"best weights: {why}"
+    if ckpt["done"]:
+        info = ckpt.get("info")
+        if not isinstance(info, dict) or not all(k in info for k in ("hidden", "epochs", "best_epoch", "history")):
+            return "a finished checkpoint without its summary"
+        return None
+    why = _state_damage(ckpt.get("model"), model)
+    if why is not None:
+        return f"weights: {why}"
+    try:
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+    except Exception as e:  # noqa: BLE001 - KeyError, ValueError, RuntimeError from a mismatched state
+        return f"optimiser state: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__}"
+    for group in opt.param_groups:  # load_state_dict does not look at the moment tensors' shapes
+        for p in group["params"]:
+            for k, v in opt.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) != tuple(p.shape):
+                    return f"optimiser state {k}: shape {tuple(v.shape)}, expected {tuple(p.shape)}"
+    return None
+
+
 def _save(ckpt: dict[str, Any], path: Path) -> None:
     with atomic_path(path) as tmp:
         torch.save(ckpt, tmp)
@@ -244,7 +304,7 @@ def train_layer(data: CollectedData, layer: int, hidden: int, settings: TrainSet
 
     Returns ``(predictor, info)``: the best epoch's :class:`LayerPredictor` (fp32 ``fc1``
     ``[hidden, n_embd]``, ``fc2`` ``[n_ff, hidden]``) and a JSON-able dict with ``hidden``,
-    ``epochs`` run, ``best_epoch``, ``history`` (per-epoch train loss and held-out scores),
+    ``epochs`` run, ``best_epoch`` (0-based: an index into ``history``; ``config.json`` counts from 1), ``history`` (per-epoch train loss and held-out scores),
     ``seconds``, ``done`` (False for a probe that gave up), ``resumed`` ("no", "partial" or
     "finished").
     """
@@ -268,8 +328,18 @@ def train_layer(data: CollectedData, layer: int, hidden: int, settings: TrainSet
             ckpt = torch.load(path, map_location=device, weights_only=True)
         except Exception:  # noqa: BLE001 - a damaged checkpoint is retrained
             ckpt = None
-        if ckpt is not None and ckpt.get("key") != key:
-            ckpt = None
+            if log is not None:
+                log(f"{path}: not a readable checkpoint; training layer {layer} again")
+        if ckpt is not None and not (isinstance(ckpt, dict) and ckpt.get("key") == key):
+            ckpt = None  # another run's (other data, width or settings), or not ours at all
+        if ckpt is not None:
+            damage = _damage(ckpt, model, opt, s.epochs)
+            if damage is not None:
+                if log is not None:
+                    log(f"{path}: damaged checkpoint ({damage}); training layer {layer} again")
+                ckpt = None
+                model = Predictor(n_embd, hidden, n_ff).to(device)  # _damage may have loaded part of it
+                opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
     resumed = "no"
     if ckpt is not None and ckpt.get("done"):
         model.load_state_dict(ckpt["best_model"])
@@ -278,9 +348,7 @@ def train_layer(data: CollectedData, layer: int, hidden: int, settings: TrainSet
         if log is not None:
             log(f"layer {layer}: finished checkpoint found, not retrained")
         return model.to_layer_predictor(), info
-    if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
+    if ckpt is not None:  # _damage loaded the model and optimiser states
         resumed = "partial"
     else:
         ckpt = dict(key=key, epoch=0, best_model=None, best_score=-float("inf"), best_epoch=-1,
@@ -363,10 +431,16 @@ class FinishedPredictors(Sequence[LayerPredictor]):
     def __getitem__(self, i: int) -> LayerPredictor:  # type: ignore[override]
         if not 0 <= i < self.n_layer:
             raise IndexError(i)
-        ckpt = torch.load(self.root / f"layer_{i}.pt", map_location="cpu", weights_only=True)
-        if not ckpt.get("done"):
-            raise PowerInferError(f"{self.root / f'layer_{i}.pt'}: layer {i} is not trained yet")
-        sd = ckpt["best_model"]
+        from ..formats.activation import torch_load
+
+        path = self.root / f"layer_{i}.pt"
+        ckpt = torch_load(path)
+        if not isinstance(ckpt, dict) or not ckpt.get("done"):
+            raise PowerInferError(f"{path}: layer {i} is not trained yet (or its checkpoint is damaged: rerun)")
+        sd = ckpt.get("best_model")
+        if not isinstance(sd, dict) or not all(isinstance(sd.get(k), torch.Tensor) and sd[k].dim() == 2
+                                               for k in ("fc1.weight", "fc2.weight")):
+            raise PowerInferError(f"{path}: damaged checkpoint (no fc1/fc2 weights); rerun to train layer {i} again")
         return LayerPredictor(sd["fc1.weight"].float(), sd["fc2.weight"].float())
 
 
