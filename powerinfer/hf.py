@@ -132,6 +132,11 @@ def check_model(model_dir: str | Path) -> CheckedModel:
     reader = CheckpointReader(model_dir, "")
     try:
         n_ckpt = _checkpoint_layers(reader, family)
+        if n_ckpt == 0:
+            first = sorted(reader.names())[:1]
+            raise PowerInferError(f"{model_dir}: the checkpoint has no {family.layers_attr}.N.* tensors, the decoder "
+                                  f"layers of the {family.name} family that config.json names (its first tensor is "
+                                  f"{first[0] if first else None!r}): the config does not belong to these weights")
         if n_ckpt != dims["n_layer"]:
             raise PowerInferError(f"{src}: num_hidden_layers is {dims['n_layer']} but the checkpoint holds "
                                   f"{n_ckpt} decoder layers")

@@ -338,7 +338,8 @@ def train_layer(data: CollectedData, layer: int, hidden: int, settings: TrainSet
                 if log is not None:
                     log(f"{path}: damaged checkpoint ({damage}); training layer {layer} again")
                 ckpt = None
-                model = Predictor(n_embd, hidden, n_ff).to(device)  # _damage may have loaded part of it
+                torch.manual_seed(s.seed * 1000003 + layer)  # _damage may have loaded part of it: start afresh
+                model = Predictor(n_embd, hidden, n_ff).to(device)
                 opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
     resumed = "no"
     if ckpt is not None and ckpt.get("done"):
