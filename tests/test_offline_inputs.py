@@ -331,3 +331,66 @@ def test_damaged_training_checkpoints_retrain_that_layer(tiny, text, tmp_path):
     meta.write_text(json.dumps(m))
     cfg = run()  # collected again, then every layer's finished checkpoint is reused
     assert cfg["n_tokens"] == ref["n_tokens"]
+
+
+# --------------------------------------------------------------------------- chat template
+def _with_template(relu_hf, d, template):
+    d = _copy(relu_hf, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = template
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def _gguf_string(path, key):
+    from powerinfer.formats.gguf_file import open_gguf
+
+    return open_gguf(path).get(key)
+
+
+JINJA = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+
+
+@pytest.mark.parametrize("template", [JINJA, [{"name": "tool_use", "template": "T"},
+                                              {"name": "default", "template": JINJA}]])
+def test_convert_writes_the_chat_template(tmp_path, relu_hf, template):
+    d = _with_template(relu_hf, tmp_path / "m", template)
+    r = CliRunner().invoke(convert_main, [str(d), "--outfile", str(tmp_path / "o.gguf")])
+    assert r.exit_code == 0, r.output
+    assert _gguf_string(tmp_path / "o.gguf", "tokenizer.chat_template") == JINJA
+
+
+def test_convert_without_a_chat_template_writes_none(tmp_path, relu_hf):
+    r = CliRunner().invoke(convert_main, [str(relu_hf), "--outfile", str(tmp_path / "o.gguf")])
+    assert r.exit_code == 0, r.output
+    assert _gguf_string(tmp_path / "o.gguf", "tokenizer.chat_template") is None
+
+
+@pytest.mark.parametrize("template,needle", [(42, "must be a string"), ([{"name": "rag", "template": "T"}], "'default'"),
+                                             ("x" * (1 << 20 + 1), "longer than")])
+def test_convert_refuses_a_bad_chat_template(tmp_path, relu_hf, template, needle):
+    d = _with_template(relu_hf, tmp_path / "m", template)
+    _fails(convert_main, [d, "--outfile", tmp_path / "o.gguf"], d / "tokenizer_config.json", "chat_template", needle)
+    assert not (tmp_path / "o.gguf").exists()
+
+
+# --------------------------------------------------------------------------- --help
+@pytest.mark.parametrize("module", ["powerinfer.convert.cli", "powerinfer.convert.quantize_cli",
+                                    "powerinfer.eval.cli", "powerinfer.profile.cli",
+                                    "powerinfer.train_predictor.cli", "powerinfer.report.cli", "powerinfer.__main__"])
+def test_offline_cli_modules_do_not_import_torch_until_run(module):
+    """--help answers without importing torch, transformers or numpy (seconds on a cold start)."""
+    code = f"import sys, {module}; print(*(m in sys.modules for m in ('torch', 'transformers', 'numpy')))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "False", "False"]
+
+
+def test_cli_constants_match_the_modules_they_stand_for():
+    from powerinfer.convert import cli, gpu_index, tensor_types, type_names
+    from powerinfer.formats import predictor
+    from powerinfer.quant.types import WRITE_TYPES
+
+    assert set(type_names.QUANTIZE_TYPES) == set(WRITE_TYPES)
+    assert set(type_names.OUTTYPES) == set(tensor_types.FILE_TYPES)
+    assert cli.MAX_ABS_THRESHOLD == predictor.MAX_ABS_THRESHOLD and cli.MAX_BUDGET_GIB == gpu_index.MAX_BUDGET_GIB

@@ -244,3 +244,21 @@ def test_quantized_batched_equals_token_by_token(demo_pwri, chunks, tmp_path):
     # 3.8e-6 max logit difference over the first 100 tokens, before any flip).
     batched, one_by_one = perplexity(model, chunks[1:2]).ppl, perplexity(model, chunks[1:2], n_batch=1).ppl
     assert one_by_one == pytest.approx(batched, rel=2e-3)
+
+
+def test_cli_text_file_must_be_a_bounded_regular_file(stories_gguf, tmp_path, monkeypatch):
+    """/dev/zero never ends and a FIFO blocks until a writer comes: both refused before any read."""
+    import os
+
+    import powerinfer.eval.perplexity as ppl_mod
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for p in ("/dev/zero", fifo):
+        r = _run("-m", stories_gguf, "-f", p)
+        assert r.exit_code == 1 and f"{p}: not a regular file" in r.output, r.output
+    big = tmp_path / "big.txt"
+    big.write_text("Once upon a time. " * 100)
+    monkeypatch.setattr(ppl_mod, "MAX_TEXT_BYTES", 1000)
+    r = _run("-m", stories_gguf, "-f", big)
+    assert r.exit_code == 1 and "more than the" in r.output and str(big) in r.output, r.output

@@ -156,3 +156,37 @@ def test_pi_profile_without_matplotlib_says_so_and_succeeds(profile_args, tmp_pa
     assert r.exit_code == 0, r.output
     assert [l for l in r.output.splitlines() if "report.png" in l] == [MISSING_MATPLOTLIB]
     assert (tmp_path / "act" / "activation_1.pt").is_file() and not (tmp_path / "act" / "report.png").exists()
+
+
+@pytest.mark.parametrize("stats,needle", [(b"[1, 2]", "expected a JSON object, found a list"),
+                                          (b"\xff\xfe{}", "not UTF-8 text (byte 0)"),
+                                          (b'{"n_tokens": "lots"}', "n_tokens must be a positive integer")])
+def test_pi_report_damaged_stats_json_is_one_line(tmp_path, stats, needle):
+    act = _act_dir(tmp_path / "act", [HAND])
+    (act / "powerinfer_stats.json").write_bytes(stats)
+    r = CliRunner().invoke(report_main, [str(act), "-o", str(tmp_path / "r.png")])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+    assert "powerinfer_stats.json" in r.output and needle in r.output
+    assert not (tmp_path / "r.png").exists()
+
+
+@pytest.mark.parametrize("field,value", [("recall", "x"), ("recall", [1]), ("pred_active", 2.5),
+                                         ("true_active", True), ("hidden", "wide"), ("hidden", -8)])
+def test_pi_report_predictor_records_of_the_wrong_type_are_one_line(tmp_path, field, value):
+    act = _act_dir(tmp_path / "act", [HAND, HAND])
+    pred = _pred_dir(tmp_path / "pred", 2, len(HAND))
+    cfg = json.loads((pred / "config.json").read_text())
+    cfg["layers"][1][field] = value
+    (pred / "config.json").write_text(json.dumps(cfg))
+    r = CliRunner().invoke(report_main, [str(act), str(pred), "-o", str(tmp_path / "r.png")])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+    assert str(pred / "config.json") in r.output and f"layer 1: {field}" in r.output
+    assert not (tmp_path / "r.png").exists()
+
+
+def test_pi_report_does_not_write_over_an_input_file(tmp_path):
+    act = _act_dir(tmp_path / "act", [HAND])
+    before = (act / "activation_0.pt").read_bytes()
+    r = CliRunner().invoke(report_main, [str(act), "--json", str(act / "activation_0.pt")])
+    assert r.exit_code == 1 and "refusing to replace it" in r.output
+    assert (act / "activation_0.pt").read_bytes() == before
