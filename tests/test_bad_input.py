@@ -105,3 +105,21 @@ def test_run_special_token_id_outside_the_vocabulary(tmp_path, dense_gguf):
     bad = tmp_path / "bos.gguf"
     bad.write_bytes(bytes(raw))
     _fails(run_main, ["-m", bad, "-n", 1], bad, "bos_token_id 4000000000 is out of range")
+
+
+def test_quantize_never_replaces_a_file_that_is_not_a_gguf(tmp_path, dense_gguf):
+    from powerinfer.convert.quantize_cli import main as quantize_main
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    _fails(quantize_main, [dense_gguf, notes, "q8_0"], notes, "not a GGUF file", "refusing to replace it")
+    assert notes.read_text() == "mine"
+    _fails(quantize_main, [dense_gguf, dense_gguf, "q8_0"], dense_gguf, "input file")
+
+
+def test_convert_progress_in_a_log_is_lines_not_tqdm_frames(tmp_path, relu_hf):
+    """stderr is not a terminal here: one line per tenth of the tensors, no carriage returns."""
+    r = CliRunner().invoke(convert_main, [str(relu_hf), "--outfile", str(tmp_path / "o.gguf")])
+    assert r.exit_code == 0, r.output
+    lines = [l for l in r.output.splitlines() if l.startswith("writing o.gguf: ")]
+    assert "\r" not in r.output and 5 <= len(lines) <= 11 and lines[-1].endswith("(100%)"), r.output

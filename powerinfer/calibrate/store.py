@@ -27,7 +27,7 @@ class RowFile:
     """A file of ``rows x width`` elements of ``dtype`` (row-major), opened for reading and writing.
 
     ``create=True`` (re)creates it at its full size (sparse; zero bytes until written).
-    Raises OSError from the file system.
+    Raises OSError from the file system, naming this file (a full disk shows up in ``write``).
     """
 
     def __init__(self, path: str | Path, rows: int, width: int, dtype: torch.dtype, create: bool = False):
@@ -65,8 +65,11 @@ class RowFile:
         if row < 0 or row + t.shape[0] > self.rows:
             raise IndexError(f"{self.path}: rows {row}..{row + t.shape[0]} out of 0..{self.rows}")
         mv, off, done = self._bytes(t), row * self.row_bytes, 0
-        while done < len(mv):
-            done += os.pwritev(self.fd, [mv[done:done + _CHUNK]], off + done)
+        try:
+            while done < len(mv):
+                done += os.pwritev(self.fd, [mv[done:done + _CHUNK]], off + done)
+        except OSError as e:  # ENOSPC from a sparse file filling up: say which file
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
 
     def close(self) -> None:
         if self.fd >= 0:
