@@ -378,7 +378,7 @@ def test_mistakes_are_refused_before_the_pass_and_leave_nothing(case, tmp_path):
         want = f"num_hidden_layers is {cfg['num_hidden_layers']} but the checkpoint holds 3 decoder layers"
     elif case == "no_tokenizer":
         (d / "tokenizer.model").unlink()
-        want = "special or unknown tokens"
+        want = "no tokenizer.model, tokenizer.json or vocab.json"
     elif case == "overlap":
         work = out / "w"
         want = "overlap"

@@ -74,7 +74,8 @@ def dense_vram_bytes(g: GGUFFile, n_ctx: int) -> int:
 def check_budget(vram_budget_gib: float, dense: int, n_ctx: int, where: object) -> int:
     """The budget in bytes; PowerInferError when it is negative, not finite, or below ``dense``."""
     if not math.isfinite(vram_budget_gib) or not 0 <= vram_budget_gib <= MAX_BUDGET_GIB:
-        raise PowerInferError(f"--vram-budget {vram_budget_gib}: must be a number of GiB in 0..{MAX_BUDGET_GIB}")
+        raise PowerInferError(f"--vram-budget {vram_budget_gib}: must be >= 0 GiB (a finite number, at most "
+                              f"{MAX_BUDGET_GIB})")
     budget = int(vram_budget_gib * GIB)
     if budget < dense:
         raise PowerInferError(

@@ -212,19 +212,23 @@ def atomic_dir(target: str | Path, owned: str = r"") -> Iterator[Path]:
     with _writing(target):
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(target), suffix=".tmp", dir=target.parent))
+    base = target.parent / f".{target.name}.{os.getpid()}"
+    new, old = base.with_name(base.name + ".new"), base.with_name(base.name + ".old")
     try:
         with _writing(target):
             yield tmp
             os.chmod(tmp, 0o777 & ~_umask())
             check_replaceable(target, owned)
-            base = target.parent / f".{target.name}.{os.getpid()}"
-            new, old = base.with_name(base.name + ".new"), base.with_name(base.name + ".old")
             os.replace(tmp, new)  # complete: from here on a killed run is finished by the next one
             if target.exists():
                 os.replace(target, old)
             os.replace(new, target)
             if old.exists():
                 shutil.rmtree(old, ignore_errors=True)
-    finally:
+    finally:  # an error or Ctrl-C/SIGTERM inside the swap: the earlier folder stays the target
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+        if new.exists():
+            shutil.rmtree(new, ignore_errors=True)
+        if old.exists() and not target.exists():
+            os.replace(old, target)
