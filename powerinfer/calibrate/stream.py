@@ -112,10 +112,10 @@ class _Progress:
         self.bar = None
 
     def start(self, what: str) -> None:
-        if self.tty:
-            from tqdm import tqdm
+        if self.tty:  # in a log the per-layer line of done() is enough
+            from ..progress import progress
 
-            self.bar = tqdm(total=self.tokens, unit="tok", desc=f"{self.tag}{what}", leave=False)
+            self.bar = progress(total=self.tokens, unit="tok", desc=f"{self.tag}{what}", leave=False)
 
     def update(self, n: int) -> None:
         if self.bar is not None:

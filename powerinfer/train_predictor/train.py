@@ -362,8 +362,10 @@ def train_layer(data: CollectedData, layer: int, hidden: int, settings: TrainSet
     t0 = time.perf_counter() - ckpt["seconds"]
     bar = None
     if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=s.epochs, initial=ckpt["epoch"], desc=f"layer {layer} (H={hidden})", unit="epoch", leave=False)
+        from ..progress import progress as progress_bar  # a bar on a terminal, lines in a log
+
+        bar = progress_bar(total=s.epochs, initial=ckpt["epoch"], desc=f"layer {layer} (H={hidden})", unit="epoch",
+                           leave=False)
     try:
         while ckpt["epoch"] < s.epochs and ckpt["bad_epochs"] < s.patience and \
                 not (give_up_below is not None and hopeless(ckpt["history"], give_up_below, s.epochs)):
