@@ -280,7 +280,7 @@ def check_tensors(h: Header) -> None:
     p, align, data = h.path, h.alignment, h.data_start
     room = h.file_size - data
     seen: set[str] = set()
-    expect, prev = 0, None
+    expect, prev = 0, None  # prev: the previous TensorInfo
     for t in h.tensors:
         if t.name in seen:
             raise PowerInferError(f"{p}: tensor {t.name!r} appears twice")
@@ -306,12 +306,17 @@ def check_tensors(h: Header) -> None:
                                   f"{t.nbytes} bytes at data offset {t.offset}) extends past the end of the file "
                                   f"({h.file_size} bytes, data from byte {data})")
         if t.offset != expect:
-            how = f"overlaps tensor {prev!r}" if t.offset < expect else "leaves a gap after the previous tensor"
-            raise PowerInferError(f"{p}: tensor {t.name!r} has data offset {t.offset}, expected {expect}: it {how} "
-                                  f"(tensors are stored in order, each padded to general.alignment {align}); "
-                                  "its type, shape or offset is corrupt")
+            if prev is None:
+                where = "the first tensor's data must start at offset 0"
+            else:
+                how = "it overlaps tensor" if t.offset < expect else "a gap after tensor"
+                where = (f"{how} {prev.name!r} ({tensor_type(h, prev).name}, {list(prev.dims)}, {prev.nbytes} bytes, "
+                         f"which ends at {expect} once padded)")
+            raise PowerInferError(f"{p}: tensor {t.name!r} has data offset {t.offset}, expected {expect}: {where}; "
+                                  f"tensors are stored in order, each padded to general.alignment {align}, so a "
+                                  "type, shape or offset is corrupt")
         expect += -(-t.nbytes // align) * align
-        prev = t.name
+        prev = t
     _check_layers(h)
 
 

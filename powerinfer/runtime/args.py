@@ -13,9 +13,7 @@ from dataclasses import dataclass
 from ..errors import PowerInferError
 from ..families import Activation, Family, family_for_gguf_arch
 from ..formats.gguf_file import GGUFFile
-
-MAX_DIM = 1 << 20
-MAX_CTX = 1 << 22
+from ..formats.gguf_validate import MAX_CTX, MAX_DIM, MAX_LAYERS
 
 
 @dataclass(frozen=True)
@@ -44,7 +42,10 @@ class ModelArgs:
 
     @classmethod
     def from_gguf(cls, g: GGUFFile) -> "ModelArgs":
-        """Read and bound every dimension. Raises PowerInferError naming the file."""
+        """Read and bound every dimension. Raises PowerInferError naming the file.
+
+        Types and ranges of the float keys (epsilons, ``rope.freq_base``, thresholds) were
+        checked when the file was opened (:mod:`powerinfer.formats.gguf_validate`)."""
         arch = g.arch
         fam = family_for_gguf_arch(arch, g.path)
 
@@ -76,7 +77,7 @@ class ModelArgs:
                                   "(partial rotary embeddings are not supported)")
         return cls(
             family=fam, activation=act, n_vocab=n_vocab,
-            n_embd=n_embd, n_ff=dim("feed_forward_length"), n_layer=dim("block_count", hi=4096),
+            n_embd=n_embd, n_ff=dim("feed_forward_length"), n_layer=dim("block_count", hi=MAX_LAYERS),
             n_head=n_head, n_head_kv=n_head_kv, n_ctx=dim("context_length", 2048, hi=MAX_CTX),
             norm_eps=float(eps), rope_base=float(g.get(f"{arch}.rope.freq_base", 10000.0)),
             n_rot=n_rot, sparse=g.sparse, sparse_threshold=float(g.get("powerinfer.sparse_threshold", 0.0)),

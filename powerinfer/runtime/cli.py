@@ -145,7 +145,7 @@ def bench_report(model: "Transformer", st: "GenStats", path: str) -> str:
                    "instead of -p.")
 @click.option("-n", "--n-predict", default=128, show_default=True,
               help="Tokens to generate; -1: until the end of text or the context is full.")
-@click.option("-c", "--ctx-size", default=0, help="Context length (0: the model's; larger values are cut to it).")
+@click.option("-c", "--ctx-size", default=0, help="Context length (0: the model's, at most 4096; larger values are cut to the model's).")
 @click.option("--temp", default=0.8, show_default=True, help="Temperature; 0 = greedy.")
 @click.option("--top-k", default=40, show_default=True, help="Sample among the k most likely tokens (0: all).")
 @click.option("--top-p", default=0.95, show_default=True,

@@ -22,6 +22,7 @@ Shapes: ``T`` tokens in this call, ``P`` the position of the first of them,
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -35,6 +36,9 @@ from ..quant.qweight import QWeight
 from .ffn import FFN
 from .kernels import attend_one, embed, linear
 from .weights import dense_layout, is_quantized, load_concat, load_matrix, load_tensor, stack_rows, tensor_shape
+
+DEFAULT_CTX = 4096  # context when none is asked for, if the model's is longer (llama.cpp's default too)
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -67,8 +71,13 @@ class Layer:
 class KVCache:
     """Keys and values for every layer and position: ``[n_layer, n_ctx, Hkv, d]`` each."""
 
+    @staticmethod
+    def nbytes(n_layer: int, n_ctx: int, n_head_kv: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of keys plus values for ``n_ctx`` positions."""
+        return 2 * n_layer * n_ctx * n_head_kv * head_dim * torch.empty((), dtype=dtype).element_size()
+
     def __init__(self, n_layer: int, n_ctx: int, n_head_kv: int, head_dim: int, dtype: torch.dtype):
-        nbytes = 2 * n_layer * n_ctx * n_head_kv * head_dim * torch.empty((), dtype=dtype).element_size()
+        nbytes = self.nbytes(n_layer, n_ctx, n_head_kv, head_dim, dtype)
         avail = _available_memory()
         if avail is not None and nbytes > avail:
             raise PowerInferError(f"the KV cache for a context of {n_ctx} tokens needs {nbytes / 2**30:.1f} GiB, "
@@ -250,7 +259,9 @@ class Transformer:
 
     A quantized file's matrices stay quantized in the memory map when the C kernels are in
     use (``quantized`` is True then); with the torch backend they are dequantized to
-    ``dtype`` at load. Raises PowerInferError when the file's tensors do not match its metadata.
+    ``dtype`` at load. ``n_ctx``: the context length in tokens (KV cache and RoPE tables),
+    cut to the model's; None: the model's, but at most :data:`DEFAULT_CTX` (a warning gives
+    the KV-cache size then). Raises PowerInferError when the file's tensors do not match its metadata.
     """
 
     def __init__(self, g: GGUFFile, dtype: torch.dtype = torch.float32, dense: bool = False,
@@ -278,7 +289,11 @@ class Transformer:
                 raise PowerInferError(f"{g.path}: position_embd shape {tuple(self.pos_embd.shape)} does not match n_embd")
             max_ctx = min(max_ctx, self.pos_embd.shape[0] - fam.learned_pos_offset)
         self.max_ctx = max_ctx  # the model's own context length (n_ctx may be smaller: -c)
-        self.n_ctx = min(n_ctx or max_ctx, max_ctx)
+        self.n_ctx = min(n_ctx or min(max_ctx, DEFAULT_CTX), max_ctx)
+        if not n_ctx and self.n_ctx < max_ctx:
+            kv = KVCache.nbytes(a.n_layer, 1, a.n_head_kv, a.head_dim, dtype)
+            log.warning("context: %d tokens of the model's %d (KV cache %s); -c %d for the whole context "
+                        "(KV cache %s)", self.n_ctx, max_ctx, _size(kv * self.n_ctx), max_ctx, _size(kv * max_ctx))
         self.layers: list[Layer] = [build_layer(g, i, a, dtype, self.dense, mapped) for i in range(a.n_layer)]
         self.rope = {"normal": apply_rope, "neox": apply_rope_neox, None: None}[fam.rope]
         self.cos, self.sin = rope_tables(self.n_ctx, a.n_rot, a.rope_base)
