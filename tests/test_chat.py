@@ -185,7 +185,10 @@ def test_interactive_appends_lines_without_re_evaluating(stories, capsys):
                            sys.stdout, sys.stderr, ignore_eos=True)
     t1, t2 = log.turns
     assert t2.n_reused == len(ids) + t1.n_eval
-    assert t2.n_prompt == 1 + len(tok.encode("The dog ran.\n", add_bos=False))
+    assert t2.n_prompt == 1 + len(tok.encode("The dog ran.\n", continuation=True))
+    # the appended line tokenizes as inside the whole transcript: no extra dummy space
+    assert tok.encode("Once upon a time. The dog") == (tok.encode("Once upon a time.")
+                                                      + tok.encode(" The dog", continuation=True))
 
 
 def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(stories):
@@ -227,3 +230,25 @@ def test_text_stream_pieces_add_up_to_the_whole_decode(vocab):
         pieces = [ts.push(i) for i in ids[n_prompt:]]
         assert tok.decode(ids[:n_prompt]) + "".join(pieces) == tok.decode(ids)
         assert len(ts.ids) < 2 * TextStream.CONTEXT  # only a window is kept
+
+
+def test_chat_drops_the_oldest_turns_when_the_context_fills(stories, capsys):
+    path, _, tok = stories
+    model = Transformer(open_gguf(path), n_ctx=160)
+    s = Session(model, tok)
+    template = template_for(tok)
+    log = chat_loop(s, template, SamplerSettings(temp=0.0), 16, _lines(*[f"Turn {i}: and then?" for i in range(6)]),
+                    sys.stdout, sys.stderr, system="Be brief.", ignore_eos=True)
+    assert len(log.turns) == 6  # every turn answered, none refused
+    assert "oldest turn" in capsys.readouterr().err
+    assert all(t.n_reused + t.n_prompt + t.n_gen <= 160 for t in log.turns)
+    system_ids = chat_prompt_ids(tok, template.render([{"role": "system", "content": "Be brief."}],
+                                                      add_generation_prompt=False))
+    assert s.cached[:len(system_ids) - 1] == system_ids[:-1]  # the system prompt stays first
+    assert log.turns[-1].n_reused >= len(system_ids) - 1  # and is not evaluated again
+
+
+def test_pi_run_cnv_refuses_two_system_prompts(stories):
+    r = subprocess.run([sys.executable, "-m", "powerinfer.runtime.cli", "-m", str(stories[0]), "-cnv", "-p", "A",
+                        "-sys", "B"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "give one" in r.stderr

@@ -111,3 +111,13 @@ def test_repeat_penalty_divides_positive_and_multiplies_negative_logits_once_per
     assert apply_repeat_penalty(logits, [0, 1], 1.0) is logits
     # greedy after the penalty: token 0 (2.0 -> 0.8) loses to token 2 (1.0)
     assert sample(logits, SamplerSettings(temp=0.0, repeat_penalty=2.5), None, history=[0]) == 2
+
+
+def test_min_p_keeps_tokens_within_a_share_of_the_best():
+    """min_p 0.3: p >= 0.3 * 0.5 = 0.15 keeps tokens 3, 0, 4 (0.5, 0.2, 0.15), renormalized over 0.85."""
+    n = 4000
+    counts = _draws(LOGITS, SamplerSettings(temp=1.0, top_k=0, top_p=1.0, min_p=0.3), n)
+    _assert_frequencies(counts, {3: 0.5 / 0.85, 0: 0.2 / 0.85, 4: 0.15 / 0.85, 1: 0.0, 2: 0.0}, n)
+    # min_p 1.0 keeps only the best token; 0 is off
+    assert set(_draws(LOGITS, SamplerSettings(temp=1.0, top_k=0, top_p=1.0, min_p=1.0), 200)) == {3}
+    assert set(_draws(LOGITS, SamplerSettings(temp=1.0, top_k=0, top_p=1.0, min_p=0.0), 2000)) == {0, 1, 2, 3, 4}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -227,7 +228,12 @@ def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(sparse_server):
         (json.dumps({"prompt": PROMPT, "n": 3}).encode(), 400, "n: not supported"),
         (json.dumps({"prompt": [10**9]}).encode(), 400, "token ids"),
         (json.dumps({"prompt": []}).encode(), 400, "prompt"),
-        (b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
+        (b'{"prompt": "x", "temperature": NaN}', 400, "NaN is not JSON"),
+        (b'{"prompt": "\\ud800 lone", "max_tokens": 2}', 400, "surrogate"),
+        (json.dumps({"prompt": PROMPT, "max_tokens": "10"}).encode(), 400, "max_tokens"),
+        (json.dumps({"prompt": PROMPT, "max_tokens": True}).encode(), 400, "max_tokens"),
+        (json.dumps({"prompt": PROMPT, "max_tokens": 2.0}).encode(), 400, "max_tokens"),
+        (json.dumps({"prompt": {"a": 1}}).encode(), 400, "prompt:"),
         (json.dumps({"prompt": "x" * (5 << 20)}).encode(), 413, "bytes"),
     ]
     for body, status, needle in cases:
@@ -243,6 +249,15 @@ def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(sparse_server):
         c.completions.create(model="m.powerinfer.gguf", prompt="the cat " * 600, max_tokens=1)
     with pytest.raises(openai.BadRequestError, match="role"):
         c.chat.completions.create(model="m.powerinfer.gguf", messages=[{"role": "wizard", "content": "hi"}])
+    for route, body in (("/completion", {"prompt": PROMPT, "grammar": "root ::= [a]"}),
+                        ("/completion", {"prompt": PROMPT, "n_probs": 5}),
+                        ("/completion", {"prompt": PROMPT, "mirostat": 2})):
+        r = httpx.post(url + route, json=body, timeout=30)
+        assert r.status_code == 400 and "not supported" in r.json()["error"]["message"], r.text
+    r = httpx.get(url + "/v1/nothing-here")
+    assert r.status_code == 404 and "no such endpoint" in r.json()["error"]["message"]
+    r = httpx.get(url + "/v1/completions")
+    assert r.status_code == 405 and "error" in r.json()
     assert sparse_server.proc.poll() is None
     assert c.completions.create(model="m.powerinfer.gguf", prompt=PROMPT, max_tokens=3, temperature=0,
                                 extra_body={"ignore_eos": True}).usage.completion_tokens == 3
@@ -258,6 +273,36 @@ def test_api_key_is_required_when_set(dense_server):
     assert [m.id for m in models] == ["m.powerinfer.gguf"]
 
 
+def test_non_streamed_request_is_cancelled_when_its_client_leaves(sparse_server):
+    before = sparse_server.health()
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(sparse_server.url + "/v1/completions", timeout=0.6,
+                   json={"prompt": PROMPT, "max_tokens": 500, "temperature": 0, "ignore_eos": True})
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        h = sparse_server.health()
+        if h["requests_cancelled"] > before["requests_cancelled"] and not h["requests_processing"]:
+            break
+        time.sleep(0.1)
+    assert h["requests_cancelled"] == before["requests_cancelled"] + 1, h
+    assert h["requests_served"] == before["requests_served"]
+
+
+def test_tokenize_detokenize_and_aliases(sparse_server):
+    url = sparse_server.url
+    ids = httpx.post(url + "/tokenize", json={"content": "Once upon a time"}).json()["tokens"]
+    assert len(ids) == 4  # no BOS unless add_special
+    assert httpx.post(url + "/tokenize", json={"content": "Hi", "add_special": True}).json()["tokens"][0] == 1
+    assert httpx.post(url + "/detokenize", json={"tokens": ids}).json()["content"] == "Once upon a time"
+    r = httpx.post(url + "/completion", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0,
+                                             "ignore_eos": True}).json()  # max_tokens: n_predict's alias
+    assert r["tokens_predicted"] == 3
+    r = httpx.post(url + "/completions", json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0,
+                                              "ignore_eos": True}).json()
+    assert r["usage"]["completion_tokens"] == 2
+    assert httpx.get(url + "/props").json()["total_slots"] == 1
+
+
 def test_native_completion_endpoint(sparse_gguf, sparse_server):
     want = _pi_run_text(sparse_gguf, 16)
     r = httpx.post(sparse_server.url + "/completion",
@@ -271,8 +316,34 @@ def test_native_completion_endpoint(sparse_gguf, sparse_server):
     assert "".join(x["content"] for x in lines) == want and lines[-1]["stop"] is True
 
 
-def test_server_refuses_to_start_on_a_busy_port(sparse_gguf, sparse_server):
-    r = subprocess.run([sys.executable, "-m", "powerinfer.server.cli", "-m", str(sparse_gguf), "--port",
+def test_server_refuses_a_busy_port_before_loading_the_model(tmp_path, sparse_server):
+    not_a_model = tmp_path / "missing.gguf"  # never opened: the port is checked first
+    r = subprocess.run([sys.executable, "-m", "powerinfer.server.cli", "-m", str(not_a_model), "--port",
                         str(sparse_server.port), "--log-level", "error"], capture_output=True, text=True, timeout=90)
-    assert r.returncode != 0
-    assert "Traceback" not in r.stderr
+    assert r.returncode == 1
+    assert "cannot listen on" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_ctrl_c_ends_running_streams_at_once(sparse_gguf):
+    s = Server(sparse_gguf)
+    got: list[str] = []
+
+    def client():
+        body = {"prompt": PROMPT, "max_tokens": 500, "temperature": 0, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+            got.extend(r.iter_lines())
+
+    threads = [threading.Thread(target=client) for _ in range(3)]  # one runs, two wait
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    t0 = time.time()
+    s.proc.send_signal(signal.SIGINT)
+    rc = s.proc.wait(30)
+    for t in threads:
+        t.join(30)
+    assert time.time() - t0 < 5  # not the rest of three 500-token generations
+    assert rc == 0
+    errors = [ln for ln in got if "shutting down" in ln]
+    assert len(errors) == 3, got[-5:]
+    assert "Traceback" not in s.proc.stdout.read()

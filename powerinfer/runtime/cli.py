@@ -69,7 +69,7 @@ def check_text(text: str, what: str) -> str:
 
 
 def check_sampler(n_predict: int, temp: float, top_k: int, top_p: float, seed: int,
-                  repeat_penalty: float, repeat_last_n: int) -> None:
+                  repeat_penalty: float, repeat_last_n: int, min_p: float = 0.0) -> None:
     """The sampling flags' ranges (NaN and infinities refused); raises PowerInferError."""
     if n_predict < -1:
         raise PowerInferError(f"-n {n_predict}: must be >= 0, or -1 (until the end of text or the context is full)")
@@ -78,6 +78,8 @@ def check_sampler(n_predict: int, temp: float, top_k: int, top_p: float, seed: i
             raise PowerInferError(f"{flag} {v}: must be a finite number")
     if temp < 0:
         raise PowerInferError(f"--temp {temp}: must be >= 0 (0: greedy)")
+    if not (math.isfinite(min_p) and 0 <= min_p <= 1):
+        raise PowerInferError(f"--min-p {min_p}: must be in [0, 1] (0: off)")
     if not 0 < top_p <= 1:
         raise PowerInferError(f"--top-p {top_p}: must be in (0, 1] (1: off)")
     if top_k < 0:
@@ -150,6 +152,9 @@ def bench_report(model: "Transformer", st: "GenStats", path: str) -> str:
 @click.option("--top-k", default=40, show_default=True, help="Sample among the k most likely tokens (0: all).")
 @click.option("--top-p", default=0.95, show_default=True,
               help="Then keep the smallest set whose probability reaches p (1.0: off), as llama.cpp does.")
+@click.option("--min-p", default=0.0, show_default=True,
+              help="Then keep tokens at least this share of the most likely one's probability, as llama.cpp "
+                   "does; 0.0: off (llama.cpp's default is 0.05).")
 @click.option("--repeat-penalty", default=1.0, show_default=True,
               help="Divide positive logits (multiply negative ones) of the tokens among the last "
                    "--repeat-last-n by this, as llama.cpp does; 1.0: off (llama.cpp's default is 1.1).")
@@ -183,7 +188,7 @@ def bench_report(model: "Transformer", st: "GenStats", path: str) -> str:
               help="Greedy, ignore EOS, no text: report tokens/s, FFN share of decode time, active share.")
 @click.version_option(__version__, "--version", prog_name="pi-run", message="%(prog)s (powerinfer) %(version)s")
 @cli_errors
-def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_p, repeat_penalty, repeat_last_n,
+def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
          seed, ignore_eos, threads, dense, vram_budget, activation_dir, reset_gpu_index, disable_gpu_index, dtype,
          kernel_backend, conversation, interactive, system_prompt, bench):
     """Generate text with sparse FFNs: only the neurons the predictor marks active are computed."""
@@ -193,7 +198,7 @@ def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_
     from .loading import open_for_inference
     from .tokenizer import TextStream
 
-    check_sampler(n_predict, temp, top_k, top_p, seed, repeat_penalty, repeat_last_n)
+    check_sampler(n_predict, temp, top_k, top_p, seed, repeat_penalty, repeat_last_n, min_p)
     if prompt_file is not None:
         if click.get_current_context().get_parameter_source("prompt") == click.core.ParameterSource.COMMANDLINE:
             raise PowerInferError("-p and -f: give the prompt one way, not both")
@@ -207,16 +212,19 @@ def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_
     if system_prompt is not None:
         if not conversation:
             raise PowerInferError("-sys: a system prompt is for chat mode (-cnv)")
+        src = click.get_current_context().get_parameter_source("prompt")
+        if src == click.core.ParameterSource.COMMANDLINE or prompt_file is not None:
+            raise PowerInferError("-sys and -p/-f: in chat mode both set the system prompt; give one")
         check_text(system_prompt, "-sys")
     model, tok = open_for_inference(
         model_path, dtype=dtype, dense=dense, ctx_size=ctx_size, threads=threads, kernel_backend=kernel_backend,
         vram_budget=vram_budget, activation_dir=activation_dir, reset_gpu_index=reset_gpu_index,
         disable_gpu_index=disable_gpu_index, note=lambda s: click.echo(s, err=True))
-    sampler = SamplerSettings(temp, top_k, top_p, seed, repeat_penalty, repeat_last_n)
+    sampler = SamplerSettings(temp, top_k, top_p, seed, repeat_penalty, repeat_last_n, min_p)
     if conversation:
         src = click.get_current_context().get_parameter_source("prompt")
-        system = system_prompt if system_prompt is not None else (
-            prompt if src == click.core.ParameterSource.COMMANDLINE or prompt_file is not None else None)
+        given = src == click.core.ParameterSource.COMMANDLINE or prompt_file is not None
+        system = system_prompt if system_prompt is not None else (prompt if given else None)
         return run_chat(model, tok, sampler, n_predict, system, ignore_eos)
     ids = tok.encode(prompt)
     if len(ids) >= model.n_ctx:

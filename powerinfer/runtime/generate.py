@@ -1,8 +1,9 @@
 """The generation loop: prefill, decode one token at a time, sample, time it.
 
 Sampling follows llama.cpp's order and meaning: the repetition penalty (off by
-default here, 1.1 in llama.cpp), then top-k, then top-p (nucleus), then
-temperature; ``temp <= 0`` is greedy (argmax, after the penalty).
+default here, 1.1 in llama.cpp), then top-k, then top-p (nucleus), then min-p
+(off by default here, 0.05 in llama.cpp), then temperature; ``temp <= 0`` is
+greedy (argmax, after the penalty).
 
 Timing: :class:`GenStats` keeps the prompt time, every decode step's time, and
 the time the FFNs (and their predictors) took during decoding, so a run can say
@@ -11,6 +12,7 @@ decode step reads, the quantity that bounds batch-1 speed.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -30,6 +32,7 @@ class SamplerSettings:
     seed: int = -1  # -1: random
     repeat_penalty: float = 1.0  # 1.0: off (llama.cpp's default is 1.1)
     repeat_last_n: int = 64  # tokens of history penalized; 0: off, -1: the context size
+    min_p: float = 0.0  # keep tokens with p >= min_p * p_max; 0.0: off (llama.cpp's default is 0.05)
 
 
 def apply_repeat_penalty(logits: torch.Tensor, history: Sequence[int], penalty: float) -> torch.Tensor:
@@ -57,6 +60,10 @@ def sample(logits: torch.Tensor, s: SamplerSettings, gen: torch.Generator | None
     probs = torch.softmax(vals, -1)
     if s.top_p < 1.0:
         keep = int((probs.cumsum(-1) < s.top_p).sum()) + 1
+        vals, idx = vals[:keep], idx[:keep]
+    min_p = getattr(s, "min_p", 0.0)
+    if min_p > 0.0:  # llama.cpp's min-p: logits within log(min_p) of the best one
+        keep = max(1, int((vals >= vals[0] + math.log(min_p)).sum()))
         vals, idx = vals[:keep], idx[:keep]
     probs = torch.softmax(vals / s.temp, -1)
     return int(idx[torch.multinomial(probs, 1, generator=gen)])

@@ -2,6 +2,9 @@
 
 Both keep the KV cache between turns: each turn appends only the new tokens to what the
 cache holds, so the history is never evaluated again (llama.cpp's ``main`` does the same).
+Appended text is tokenized as a continuation (no SentencePiece dummy space before it), so the
+tokens are those of the whole transcript; a chat that fills the context drops its oldest
+turns and keeps the system prompt.
 In a chat, the new tokens are the part of the re-rendered conversation that follows the
 previous prompt and the reply as generated: for the usual templates the reply's end
 marker, the user's message and the assistant header. Ctrl-C stops a reply and returns
@@ -77,19 +80,37 @@ def _reply(session: Session, ids: list[int], n_predict: int, sampler: SamplerSet
     return "".join(shown), st.token_ids, st
 
 
-def _context_note(session: Session, err: TextIO) -> None:
-    err.write(f"note: the context is full ({session.model.n_ctx} tokens); the conversation starts over "
-              f"(raise -c for longer ones)\n")
+def _fit(template: ChatTemplate, tok, messages: list[dict[str, str]], n_keep: int, n_ctx: int,
+         reserve: int) -> tuple[list[dict[str, str]], str, list[int], int]:
+    """Drop the oldest turns after the first ``n_keep`` messages (the system prompt) until the
+    rendered conversation leaves ``reserve`` tokens of the context free, as llama.cpp's context
+    shift keeps ``--keep`` tokens. Returns ``(messages, text, ids, turns dropped)``; the last
+    message is always kept."""
+    dropped = 0
+    while True:
+        text = template.render(messages, add_generation_prompt=True)
+        ids = chat_prompt_ids(tok, text)
+        if len(ids) + reserve <= n_ctx or len(messages) <= n_keep + 1:
+            return messages, text, ids, dropped
+        cut = n_keep + 1
+        while cut < len(messages) - 1 and messages[cut]["role"] != "user":  # drop a whole user+assistant turn
+            cut += 1
+        messages = messages[:n_keep] + messages[cut:]
+        dropped += 1
 
 
 def chat_loop(session: Session, template: ChatTemplate, sampler: SamplerSettings, n_predict: int,
               read_line: Callable[[str], str], out: TextIO, err: TextIO, system: str | None = None,
               ignore_eos: bool = False) -> TurnLog:
     """A multi-turn chat: read a user line, render the conversation with ``template``, generate the
-    reply. Returns the per-turn stats."""
+    reply. When the context fills up, the oldest turns are dropped (the system prompt stays).
+    Returns the per-turn stats."""
     log = TurnLog()
-    base: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
-    messages = list(base)
+    n_ctx = session.model.n_ctx
+    n_keep = 1 if system else 0
+    messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    # room kept free for the reply when older turns must go
+    reserve = min(n_predict, n_ctx // 2) if n_predict > 0 else n_ctx // 4
     history_ids: list[int] = []  # the prompt so far plus the generated reply tokens
     history_text = ""  # the rendered prompt so far plus the reply as shown
     stops = tuple(template.stop_strings)
@@ -109,18 +130,18 @@ def chat_loop(session: Session, template: ChatTemplate, sampler: SamplerSettings
             messages.pop()
             continue
         if history_ids and text.startswith(history_text):
-            ids = history_ids + session.tok.encode(text[len(history_text):], add_bos=False, parse_special=True)
+            ids = history_ids + session.tok.encode(text[len(history_text):], parse_special=True, continuation=True)
         else:  # the template rewrote earlier turns: tokenize it all (the cache still reuses a common prefix)
             ids = chat_prompt_ids(session.tok, text)
-        if len(ids) >= session.model.n_ctx:
-            _context_note(session, err)
-            messages = base + [messages[-1]]
-            text = template.render(messages, add_generation_prompt=True)
-            ids = chat_prompt_ids(session.tok, text)
-            if len(ids) >= session.model.n_ctx:
-                err.write(f"error: this message alone is {len(ids)} tokens, more than the context "
-                          f"({session.model.n_ctx}); shorten it\n")
-                messages = list(base)
+        if len(ids) + reserve > n_ctx:
+            messages, text, ids, dropped = _fit(template, session.tok, messages, n_keep, n_ctx, reserve)
+            if dropped:
+                err.write(f"note: the context ({n_ctx} tokens) is full: the {dropped} oldest turn"
+                          f"{'s were' if dropped > 1 else ' was'} dropped{' (the system prompt stays)' if n_keep else ''}\n")
+            if len(ids) >= n_ctx:
+                err.write(f"error: this message is {len(ids)} tokens with the system prompt, more than the context "
+                          f"({n_ctx}); shorten it or raise -c\n")
+                messages = messages[:n_keep]
                 history_ids, history_text = [], ""
                 continue
         reply, reply_ids, st = _reply(session, ids, n_predict, sampler, stops, out, ignore_eos)
@@ -128,15 +149,15 @@ def chat_loop(session: Session, template: ChatTemplate, sampler: SamplerSettings
         messages.append({"role": "assistant", "content": reply})
         history_ids, history_text = ids + reply_ids, text + reply
         if st.stop == "context":
-            _context_note(session, err)
-            messages, history_ids, history_text = list(base), [], ""
+            err.write(f"note: the reply filled the context ({n_ctx} tokens); older turns go at the next message\n")
 
 
 def interactive_loop(session: Session, prompt_ids: list[int], sampler: SamplerSettings, n_predict: int,
                      read_line: Callable[[str], str], out: TextIO, err: TextIO,
                      ignore_eos: bool = False) -> TurnLog:
-    """Plain text turn by turn: the model continues the prompt, then each line typed is appended
-    (with its newline) to everything so far and the model continues again."""
+    """Plain text turn by turn: the model continues the prompt, then each line typed is appended as
+    typed (with its newline; start it with a space to continue a sentence) to everything so far
+    and the model continues again."""
     log = TurnLog()
     ids = list(prompt_ids)
     while True:
@@ -151,4 +172,4 @@ def interactive_loop(session: Session, prompt_ids: list[int], sampler: SamplerSe
         except (EOFError, KeyboardInterrupt):
             out.write("\n")
             return log
-        ids = ids + session.tok.encode(line + "\n", add_bos=False)
+        ids = ids + session.tok.encode(line + "\n", continuation=True)

@@ -43,6 +43,8 @@ class GGUFTokenizer:
         if model == "llama":
             scores = g.get("tokenizer.ggml.scores") or [0.0] * len(self.tokens)
             self._sp = _sentencepiece_from_vocab(self.tokens, scores, types, g)
+            self._sp_cont = None  # the same vocabulary without the dummy leading space: built on first use
+            self._sp_src = (scores, types, g)
             self._bpe = None
         elif model == "gpt2":
             self._sp = None
@@ -59,26 +61,39 @@ class GGUFTokenizer:
     def n_vocab(self) -> int:
         return len(self.tokens)
 
-    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = False) -> list[int]:
+    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = False,
+               continuation: bool = False) -> list[int]:
         """Token ids of ``text`` (BOS first when ``add_bos``, default the file's
         ``tokenizer.ggml.add_bos_token``).
 
         ``parse_special``: the text of a control token (``<s>``, ``</s>``, ``<|im_end|>``...) becomes
         that token, and the text between them is tokenized piece by piece, as llama.cpp does for
         chat prompts (each SentencePiece piece gets its dummy leading space, as llama.cpp adds one
-        after a special token). Off, such text is plain characters, as for a user's prompt."""
+        after a special token). Off, such text is plain characters, as for a user's prompt.
+
+        ``continuation``: ``text`` continues text already tokenized, so its start gets no dummy
+        leading space (SentencePiece adds one to a sequence's first word); a chat's next turn or
+        an interactive line then tokenizes as it would inside the whole transcript. No BOS."""
+        if continuation:
+            add_bos = False
         add_bos = self.add_bos if add_bos is None else add_bos
         ids = [self.bos_id] if add_bos and self.bos_id is not None else []
         if not parse_special:
-            return ids + self._encode_raw(text)
+            return ids + self._encode_raw(text, continuation)
+        prev_special = not continuation
         for piece, special_id in self._split_special(text):
-            ids += [special_id] if special_id is not None else self._encode_raw(piece)
+            ids += [special_id] if special_id is not None else self._encode_raw(piece, not prev_special)
+            prev_special = special_id is not None
         return ids
 
-    def _encode_raw(self, text: str) -> list[int]:
+    def _encode_raw(self, text: str, continuation: bool = False) -> list[int]:
         if not text:
             return []
         if self._sp is not None:
+            if continuation:
+                if self._sp_cont is None:
+                    self._sp_cont = _sentencepiece_from_vocab(self.tokens, *self._sp_src, dummy_prefix=False)
+                return list(self._sp_cont.EncodeAsIds(text))
             return list(self._sp.EncodeAsIds(text))
         return self._bpe.encode(text, add_special_tokens=False).ids
 
@@ -147,7 +162,8 @@ class TextStream:
         return delta
 
 
-def _sentencepiece_from_vocab(tokens: list[str], scores: list[float], types: list[int], g: GGUFFile):
+def _sentencepiece_from_vocab(tokens: list[str], scores: list[float], types: list[int], g: GGUFFile,
+                              dummy_prefix: bool = True):
     import sentencepiece as spm
     from sentencepiece import sentencepiece_model_pb2 as pb
 
@@ -159,7 +175,7 @@ def _sentencepiece_from_vocab(tokens: list[str], scores: list[float], types: lis
         v = g.get(f"tokenizer.ggml.{key}_token_id")
         setattr(m.trainer_spec, field, int(v) if v is not None and 0 <= v < len(tokens) else -1)
     m.normalizer_spec.name = "identity"
-    m.normalizer_spec.add_dummy_prefix = True
+    m.normalizer_spec.add_dummy_prefix = dummy_prefix
     m.normalizer_spec.remove_extra_whitespaces = False
     m.normalizer_spec.escape_whitespaces = True
     for text, score, ttype in zip(tokens, scores, types):

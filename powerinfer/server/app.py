@@ -22,12 +22,13 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import PowerInferError
 from ..runtime.chat import ChatTemplate, chat_prompt_ids
 from ..runtime.generate import SamplerSettings
 from .engine import Engine, Job, QueueFull, Result
-from .protocol import ChatRequest, CompletionRequest, NativeCompletionRequest
+from .protocol import ChatRequest, CompletionRequest, DetokenizeRequest, NativeCompletionRequest, TokenizeRequest
 
 POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 
@@ -50,6 +51,7 @@ class ServerState:
     def __init__(self, engine: Engine, model_path: str, alias: str | None, api_key: str | None,
                  max_body_bytes: int, template: ChatTemplate):
         self.engine, self.tok, self.model = engine, engine.session.tok, engine.session.model
+        self.model_path = str(model_path)
         self.model_id = alias or Path(model_path).name
         self.names = {self.model_id, Path(model_path).name, Path(model_path).stem, str(model_path)}
         self.api_key, self.max_body_bytes, self.template = api_key, max_body_bytes, template
@@ -57,7 +59,13 @@ class ServerState:
 
 
 def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="powerinfer", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="powerinfer", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _route_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        what = "no such endpoint" if e.status_code == 404 else str(e.detail)
+        return _error_response(HTTPError(e.status_code, f"{request.method} {request.url.path}: {what}",
+                                         "invalid_request_error" if e.status_code < 500 else "server_error"))
 
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, e: HTTPError) -> JSONResponse:
@@ -114,7 +122,39 @@ def create_app(state: ServerState) -> FastAPI:
         _authorize(state, request)
         req = await _parse(request, state, NativeCompletionRequest)
         ids = await asyncio.to_thread(_prompt_ids, state, req.prompt)
-        return await _respond(request, state, req, ids, None if req.n_predict < 0 else req.n_predict, "native")
+        if req.penalty_last_n is not None:
+            req.repeat_last_n = req.penalty_last_n
+        return await _respond(request, state, req, ids, req.limit(), "native")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        _authorize(state, request)
+        req = await _parse(request, state, TokenizeRequest)
+        ids = await asyncio.to_thread(state.tok.encode, req.content, req.add_special, req.parse_special)
+        return {"tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        _authorize(state, request)
+        req = await _parse(request, state, DetokenizeRequest)
+        if any(not 0 <= t < state.tok.n_vocab for t in req.tokens):
+            raise HTTPError(400, f"tokens: ids must be in [0, {state.tok.n_vocab})", param="tokens")
+        return {"content": state.tok.decode(req.tokens)}
+
+    @app.get("/props")
+    async def props(request: Request) -> dict:
+        _authorize(state, request)
+        m = state.model
+        return {"model_path": state.model_path, "total_slots": 1, "chat_template": state.template.source,
+                "default_generation_settings": {
+                    "n_ctx": m.n_ctx, "n_predict": -1, "sparse": not m.dense,
+                    **{k: f.default for k, f in NativeCompletionRequest.model_fields.items()
+                       if k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n")}}}
+
+    # llama.cpp's aliases: unversioned OpenAI routes and /v1/health
+    app.add_api_route("/completions", completions, methods=["POST"])
+    app.add_api_route("/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/v1/health", health, methods=["GET"])
 
     return app
 
@@ -140,23 +180,47 @@ async def _parse(request: Request, state: ServerState, model: type):
         if len(body) > state.max_body_bytes:
             raise HTTPError(413, f"the request body is more than {state.max_body_bytes} bytes")
     try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = json.loads(body, parse_constant=_no_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
         raise HTTPError(400, f"the request body is not valid JSON ({e})") from None
     except RecursionError:
         raise HTTPError(400, "the request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise HTTPError(400, "the request body must be a JSON object")
     try:
-        req = model.model_validate(data)
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise HTTPError(400, "the request body has an unpaired UTF-16 surrogate (\\ud800-\\udfff) in a string: "
+                             "not valid Unicode text") from None
+    try:
+        req = model.model_validate_json(body)
     except ValidationError as e:
         err = e.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "body"
+        where = _field_path(err["loc"])
         raise HTTPError(400, f"{where}: {err['msg']}", param=where) from None
-    bad = req.unsupported()
+    bad = req.unsupported() if hasattr(type(req), "unsupported") else None
     if bad is not None:
         raise HTTPError(400, f"{bad}: not supported by this server", param=bad)
     return req
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _field_path(loc) -> str:
+    """``messages.0.content`` from pydantic's location, without the union-member tags it adds
+    (``str``, ``list[int]``, ``function-after[...]``)."""
+    parts = []
+    for p in loc:
+        if isinstance(p, int) or (isinstance(p, str) and p.isidentifier() and p not in _TYPE_TAGS):
+            parts.append(str(p))
+        else:
+            break
+    return ".".join(parts) or "body"
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def _check_model(state: ServerState, name: str | None) -> None:
@@ -197,24 +261,29 @@ def _job(request_loop: asyncio.AbstractEventLoop, state: ServerState, req, ids: 
                         code="context_length_exceeded")
     sampler = SamplerSettings(temp=req.temperature, top_k=req.top_k, top_p=req.top_p,
                               seed=-1 if req.seed is None else req.seed, repeat_penalty=req.repeat_penalty,
-                              repeat_last_n=req.repeat_last_n)
+                              repeat_last_n=req.repeat_last_n, min_p=req.min_p)
     return Job(ids=ids, n_predict=-1 if max_tokens is None else max_tokens, sampler=sampler, stop=list(req.stop),
                ignore_eos=req.ignore_eos, loop=request_loop)
 
 
 async def _events(request: Request, job: Job) -> AsyncIterator[tuple[str, Any]]:
     """The job's events, text that arrived together merged into one; sets ``job.cancel`` and stops
-    when the client disconnects."""
+    when the client disconnects (checked every ``POLL_S`` while the job runs)."""
+    loop = asyncio.get_running_loop()
+    next_check = loop.time() + POLL_S
     try:
         while True:
+            if loop.time() >= next_check:
+                if await request.is_disconnected():
+                    return
+                next_check = loop.time() + POLL_S
             if not job.events:
                 job.wake.clear()
                 if not job.events:
                     try:
                         await asyncio.wait_for(job.wake.wait(), POLL_S)
                     except asyncio.TimeoutError:
-                        if await request.is_disconnected():
-                            return
+                        pass
                     continue
             text: list[str] = []
             while job.events and job.events[0][0] == "text":

@@ -20,6 +20,24 @@ from ..runtime.cli import DTYPE_NAMES
 MAX_BODY_BYTES = 4 << 20
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """PowerInferError when ``host:port`` cannot be bound, before minutes go into loading a model."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise PowerInferError(f"--host {host}: not an address ({e.strerror})") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise PowerInferError(f"cannot listen on {host}:{port}: {e.strerror} (another server there? "
+                                  f"choose another --port)") from None
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-m", "--model", "model_path", required=True, type=click.Path(dir_okay=False),
               help="GGUF (dense) or PowerInfer GGUF (sparse) file.")
@@ -62,6 +80,7 @@ def main(model_path, host, port, ctx_size, threads, dense, dtype, kernel_backend
     from .app import ServerState, create_app
     from .engine import Engine
 
+    _check_port_free(host, port)
     model, tok = open_for_inference(model_path, dtype=dtype, dense=dense, ctx_size=ctx_size, threads=threads,
                                     kernel_backend=kernel_backend, vram_budget=vram_budget,
                                     note=lambda s: click.echo(s, err=True))
@@ -77,9 +96,17 @@ def main(model_path, host, port, ctx_size, threads, dense, dtype, kernel_backend
         click.echo(f"warning: serving on {host} without --api-key: anyone who can reach it can use it", err=True)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
                             timeout_graceful_shutdown=2)
-    server = uvicorn.Server(config)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # Ctrl-C / SIGTERM: end running streams now
+            engine.shutdown()
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
     try:
         server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: the shutdown is done
+        pass
     finally:
         engine.close()
     if not server.started:

@@ -41,7 +41,7 @@ class Result:
     stats: GenStats
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: the engine keeps a set of live jobs
 class Job:
     """One request: prompt ids, limits and sampler. The worker appends events to ``events``:
     ``("text", str)``, then ``("done", Result)`` or ``("error", str)``, and wakes the request's
@@ -86,16 +86,32 @@ class Engine:
         self.busy = False
         self.n_served = 0
         self.n_cancelled = 0
+        self._live: set[Job] = set()
+        self._closing: str | None = None
         self._thread = threading.Thread(target=self._run, name="powerinfer-generate", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> None:
-        """Queue ``job``; QueueFull when ``max_queue`` requests already wait."""
+        """Queue ``job``; QueueFull when ``max_queue`` requests already wait, or after :meth:`shutdown`."""
         with self._lock:
+            if self._closing is not None:
+                raise QueueFull(self._closing)
             if self.n_waiting >= self.max_queue:
                 raise QueueFull(f"{self.n_waiting} requests are already waiting (--max-queue {self.max_queue})")
             self.n_waiting += 1
+            self._live.add(job)
         self._q.put(job)
+
+    def shutdown(self, reason: str = "the server is shutting down") -> None:
+        """End every queued and running request now with an error event, and stop the worker
+        (called when the server is asked to exit, so no client waits for a whole generation)."""
+        with self._lock:
+            self._closing = reason
+            jobs = list(self._live)
+        for job in jobs:
+            job.cancel.set()
+            job.emit("error", reason)
+        self._q.put(None)
 
     def close(self) -> None:
         self._q.put(None)
@@ -113,6 +129,7 @@ class Engine:
             finally:
                 with self._lock:
                     self.busy = False
+                    self._live.discard(job)
 
     def _serve(self, job: Job) -> None:
         if job.cancel.is_set():
@@ -138,7 +155,8 @@ class Engine:
             return
         if job.cancel.is_set():
             self.n_cancelled += 1
-            log.info("request cancelled after %d tokens (client gone)", st.n_gen)
+            if self._closing is None:
+                log.info("request cancelled after %d tokens (client gone)", st.n_gen)
             return
         self.n_served += 1
         tail = matcher.flush()

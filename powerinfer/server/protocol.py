@@ -23,7 +23,8 @@ class Unsupported(ValueError):
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=False)
+    # strict: "10" or true is not an integer, 2.0 is not a token count (an int is still a float)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(_Base):
@@ -39,6 +40,7 @@ class _Sampling(_Base):
     stream: bool = False
     repeat_penalty: float = Field(1.0, gt=0.0, le=100.0)
     repeat_last_n: int = Field(64, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
     ignore_eos: bool = False
 
     @field_validator("stop")
@@ -60,6 +62,12 @@ class _Sampling(_Base):
                   ("frequency_penalty", lambda v: v not in (None, 0, 0.0)), ("logit_bias", lambda v: bool(v)),
                   ("tools", lambda v: bool(v)), ("functions", lambda v: bool(v)), ("suffix", lambda v: bool(v)),
                   ("response_format", lambda v: isinstance(v, dict) and v.get("type") not in (None, "text")))
+        checks += (("grammar", lambda v: bool(v)), ("json_schema", lambda v: bool(v)),
+                   ("n_probs", lambda v: v not in (None, 0)), ("mirostat", lambda v: v not in (None, 0)),
+                   ("typical_p", lambda v: v not in (None, 1, 1.0)), ("dynatemp_range", lambda v: v not in (None, 0)),
+                   ("xtc_probability", lambda v: v not in (None, 0)), ("dry_multiplier", lambda v: v not in (None, 0)),
+                   ("tfs_z", lambda v: v not in (None, 1, 1.0)), ("samplers", lambda v: bool(v)),
+                   ("lora", lambda v: bool(v)), ("image_data", lambda v: bool(v)))
         for name, bad in checks:
             if name in extra and bad(extra[name]):
                 return name
@@ -91,7 +99,28 @@ class ChatRequest(_Sampling):
 
 
 class NativeCompletionRequest(_Sampling):
-    """llama.cpp's ``POST /completion``: ``n_predict`` -1 generates until the end of text."""
+    """llama.cpp's ``POST /completion``: ``n_predict`` (or its alias ``max_tokens``) -1 generates
+    until the end of text; ``penalty_last_n`` is an alias of ``repeat_last_n``."""
 
     prompt: Union[str, list[int]]
-    n_predict: int = Field(-1, ge=-1)
+    n_predict: int | None = Field(None, ge=-1)
+    max_tokens: int | None = Field(None, ge=-1)
+    penalty_last_n: int | None = Field(None, ge=-1)
+
+    def limit(self) -> int | None:
+        n = self.n_predict if self.n_predict is not None else self.max_tokens
+        return None if n is None or n < 0 else n
+
+
+class TokenizeRequest(_Base):
+    """llama.cpp's ``POST /tokenize``."""
+
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+
+
+class DetokenizeRequest(_Base):
+    """llama.cpp's ``POST /detokenize``."""
+
+    tokens: list[int] = Field(max_length=1 << 20)
