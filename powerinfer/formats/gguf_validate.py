@@ -51,7 +51,7 @@ MAX_NAME_BYTES = 63  # llama.cpp: GGML_MAX_NAME (64) including the terminating N
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_ELEMENTS = 1 << 48  # per tensor (the byte size must also fit the file)
 MAX_ARRAY = 1 << 22  # elements of one metadata array (vocabularies are < 300k today)
-MAX_STRINGS = 1 << 21  # strings in all metadata arrays together (tokens + merges)
+MAX_STRINGS = 1 << 20  # strings in all metadata arrays together (tokens + merges: ~400k at most today)
 MAX_ALIGNMENT = 1 << 16
 DEFAULT_ALIGNMENT = 32
 # model dimensions (read by runtime/args.py)
