@@ -257,3 +257,14 @@ def test_string_arrays_are_bounded_and_read_quickly(tmp_path, demo):
     p = _variant(tmp_path, demo, _put("general.junk", ARRAY, ["ab"] * (n + 101), STRING))
     with pytest.raises(PowerInferError, match=f"more than {MAX_STRINGS} strings in all"):
         open_gguf(p)
+
+
+def test_embedding_rows_must_match_the_vocabulary(tmp_path, demo):
+    """A file padded to a larger vocabulary than its tokens (pi-convert with vocab_size 1e6 and
+    512 tokens) is refused from the header, before 1M rows are mapped or converted."""
+    p = _variant(tmp_path, demo, lambda g: g.kv("tokenizer.ggml.tokens").value.pop())
+    g = parse(p.read_bytes())  # scores and types keep 512 entries: shorten them too
+    for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+        g.kv(key).value.pop()
+    p.write_bytes(serialize(g))
+    _refused(p, "'token_embd.weight' has 512 rows, but the vocabulary (tokenizer.ggml.tokens) has 511 tokens")

@@ -21,8 +21,9 @@ Checks, in order:
   file, offsets that are multiples of ``general.alignment`` (a power of two up to
   :data:`MAX_ALIGNMENT`), and llama.cpp's layout rule: tensors lie in the order of their
   infos, each padded to the alignment, so none overlaps another or wraps past 2**64; unique
-  names; and the ``blk.N`` layers present are exactly ``0 .. {arch}.block_count - 1`` (files
-  with no ``blk.N`` tensor, such as vocabulary-only ones, are not checked for layers).
+  names; the ``blk.N`` layers present are exactly ``0 .. {arch}.block_count - 1`` (files
+  with no ``blk.N`` tensor, such as vocabulary-only ones, are not checked for layers); and
+  ``token_embd`` / ``output`` have one row per token.
 * **metadata** (:func:`check_metadata`): the keys the toolkit reads have the right type
   (a number is not a bool or a string) and a sane value: dimensions in range, epsilons and
   ``rope.freq_base`` finite and positive, thresholds finite and bounded, token lists of
@@ -195,10 +196,10 @@ def _scan(buf: Any, path: Path, size: int) -> Header:
         raise c.fail(f"version {version} is not supported (2 or 3)")
     n_tensors = c.scalar("Q", "the tensor count")
     n_kv = c.scalar("Q", "the metadata key count")
-    # smallest possible records: a key is 8 + 1 + 4 + 1 bytes, a tensor info 8 + 1 + 4 + 8 + 4 + 8
-    if n_kv > MAX_KEYS or n_kv * 14 > size - c.pos:
+    # smallest possible records: a key is 8 + 4 + 1 bytes, a tensor info 8 + 4 + 8 + 4 + 8
+    if n_kv > MAX_KEYS or n_kv * 13 > size - c.pos:
         raise c.fail(f"metadata key count {n_kv} is impossible for a file of {size} bytes (at most {MAX_KEYS})")
-    if n_tensors > MAX_TENSORS or n_tensors * 33 > size - c.pos:
+    if n_tensors > MAX_TENSORS or n_tensors * 32 > size - c.pos:
         raise c.fail(f"tensor count {n_tensors} is impossible for a file of {size} bytes (at most {MAX_TENSORS})")
     h = Header(path, size, version)
     strings = [0]
@@ -318,6 +319,7 @@ def check_tensors(h: Header) -> None:
         expect += -(-t.nbytes // align) * align
         prev = t
     _check_layers(h)
+    _check_vocab_rows(h)
 
 
 def _check_layers(h: Header) -> None:
@@ -336,6 +338,18 @@ def _check_layers(h: Header) -> None:
     if missing:
         raise PowerInferError(f"{h.path}: {arch}.block_count is {n_layer} but layer {missing[0]} has no tensors "
                               f"(blk.{missing[0]}.*){f'; {len(missing)} layers are missing' if len(missing) > 1 else ''}")
+
+
+def _check_vocab_rows(h: Header) -> None:
+    """``token_embd`` and ``output`` have one row per token of ``tokenizer.ggml.tokens`` (a
+    file padded to a larger vocabulary would otherwise be mapped and converted before failing)."""
+    toks = h.kv.get("tokenizer.ggml.tokens")
+    if toks is None:
+        return
+    for t in h.tensors:
+        if t.name in ("token_embd.weight", "output.weight") and len(t.dims) == 2 and t.dims[1] != len(toks.value):
+            raise PowerInferError(f"{h.path}: tensor {t.name!r} has {t.dims[1]} rows, but the vocabulary "
+                                  f"(tokenizer.ggml.tokens) has {len(toks.value)} tokens")
 
 
 # ---------------------------------------------------------------------------- metadata
