@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, TextIO
 
-from ..errors import PowerInferError
+from ..errors import PowerInferError, Terminated
 from .chat import ChatTemplate, chat_prompt_ids
 from .generate import GenStats, SamplerSettings
 from .session import Session, StopMatcher
@@ -117,6 +117,8 @@ def chat_loop(session: Session, template: ChatTemplate, sampler: SamplerSettings
     while True:
         try:
             line = read_line("> ")
+        except Terminated:  # SIGTERM ends the program, not just this prompt
+            raise
         except (EOFError, KeyboardInterrupt):
             out.write("\n")
             return log
@@ -169,6 +171,8 @@ def interactive_loop(session: Session, prompt_ids: list[int], sampler: SamplerSe
         ids = ids + gen_ids
         try:
             line = read_line("> ")
+        except Terminated:  # SIGTERM ends the program, not just this prompt
+            raise
         except (EOFError, KeyboardInterrupt):
             out.write("\n")
             return log
