@@ -11,8 +11,8 @@ metadata values (arrays of numbers as one numpy array each).
 Checks, in order:
 
 * **structure** (:func:`scan_header`): magic, version 2 or 3, tensor and key counts, key and
-  string lengths, value types (arrays of arrays are refused: no GGUF writer makes them and
-  llama.cpp does not read them), array lengths, tensor-info dimensions (1 to 4). Every string
+  string lengths, value types (arrays of arrays are refused: no known GGUF writer makes
+  them), array lengths (at most :data:`MAX_ARRAY` each, :data:`MAX_STRINGS` strings in all), tensor-info dimensions (1 to 4). Every string
   (keys, values, token texts, tensor names) must be valid UTF-8, as the GGUF specification
   says: an invalid one is **refused**, not replaced. llama.cpp keeps such a token's raw bytes;
   replacing them would give two tokens the same text and change tokenization silently.
@@ -25,9 +25,11 @@ Checks, in order:
   with no ``blk.N`` tensor, such as vocabulary-only ones, are not checked for layers); and
   ``token_embd`` / ``output`` have one row per token.
 * **metadata** (:func:`check_metadata`): the keys the toolkit reads have the right type
-  (a number is not a bool or a string) and a sane value: dimensions in range, epsilons and
-  ``rope.freq_base`` finite and positive, thresholds finite and bounded, token lists of
-  strings, scores and token types one flat array per token, bos/eos ids inside the vocabulary.
+  (a number is not a bool or a string) and a sane value: dimensions in range, norm epsilons
+  in (0, 1], ``rope.freq_base`` in [1, :data:`MAX_ROPE_BASE`], the sparse threshold within
+  +-:data:`MAX_THRESHOLD` and FATReLU's in [0, :data:`MAX_THRESHOLD`] (all finite), tokens
+  an array of strings, scores (no NaN) and token types one flat array entry per token, bos/eos
+  ids inside the vocabulary (other special ids out of range are ignored, as llama.cpp does).
 """
 from __future__ import annotations
 
