@@ -38,6 +38,7 @@ from ..errors import PowerInferError
 __all__ = ["atomic_path", "atomic_dir", "check_replaceable", "recover", "save_torch", "write_text"]
 
 _TORCH_WRITE_ERRORS = ("inline_container", "PytorchStreamWriter", "file write failed", "unexpected pos")
+_TEMP_NAME = re.compile(r"\.(.+)\.\d+\.(?:[a-z0-9_]{8}\.tmp|new|old)")  # .NAME.PID.*: group 1 is NAME
 LEGACY_TMP_AGE = 24 * 3600  # seconds: a temporary file of a version without PIDs in its name is stale after this
 
 
@@ -191,6 +192,10 @@ def check_replaceable(target: Path, owned: str) -> None:
         return
     if not target.is_dir():
         raise PowerInferError(f"{target}: exists and is not a folder; refusing to replace it")
+    for p in list(target.iterdir()):  # a killed writer of one of our files in it (report.png) left its temp file
+        m = _TEMP_NAME.fullmatch(p.name)
+        if m is not None and re.fullmatch(owned, m.group(1)):
+            recover(target / m.group(1))  # removed if that writer is dead; a live one's stays foreign
     foreign = sorted(p.name for p in target.iterdir() if not re.fullmatch(owned, p.name))
     if foreign:
         raise PowerInferError(f"{target}: holds other files ({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); "
