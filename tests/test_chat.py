@@ -11,7 +11,6 @@ import threading
 from pathlib import Path
 
 import pytest
-import torch
 
 from helpers import SHARED, need
 from powerinfer.convert.writer import convert

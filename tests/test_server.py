@@ -193,6 +193,17 @@ def test_sixteen_concurrent_streams_all_complete(sparse_server):
     assert all(n == n_tok for _, n in results.values())
 
 
+def _assert_one_more_cancelled(server: Server, before: dict) -> None:
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        h = server.health()
+        if h["requests_cancelled"] > before["requests_cancelled"] and not h["requests_processing"]:
+            break
+        time.sleep(0.1)
+    assert h["requests_cancelled"] == before["requests_cancelled"] + 1, h
+    assert h["requests_served"] == before["requests_served"]
+
+
 def test_client_killed_mid_stream_is_cancelled_and_server_goes_on(sparse_server):
     before = sparse_server.health()
     body = {"model": "m.powerinfer.gguf", "prompt": PROMPT, "max_tokens": 500, "temperature": 0, "stream": True,
@@ -204,14 +215,7 @@ def test_client_killed_mid_stream_is_cancelled_and_server_goes_on(sparse_server)
             got = [next(lines) for _ in range(6)]
             assert any(ln.startswith("data: ") for ln in got)
     # the connection is closed: the server stops generating for it at its next token
-    deadline = time.time() + 20
-    while time.time() < deadline:
-        h = sparse_server.health()
-        if h["requests_cancelled"] > before["requests_cancelled"] and not h["requests_processing"]:
-            break
-        time.sleep(0.1)
-    assert h["requests_cancelled"] == before["requests_cancelled"] + 1, h
-    assert h["requests_served"] == before["requests_served"]
+    _assert_one_more_cancelled(sparse_server, before)
     r = sparse_server.client().completions.create(model="m.powerinfer.gguf", prompt=PROMPT, max_tokens=5,
                                                   temperature=0, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 5
@@ -278,14 +282,7 @@ def test_non_streamed_request_is_cancelled_when_its_client_leaves(sparse_server)
     with pytest.raises(httpx.TimeoutException):
         httpx.post(sparse_server.url + "/v1/completions", timeout=0.6,
                    json={"prompt": PROMPT, "max_tokens": 500, "temperature": 0, "ignore_eos": True})
-    deadline = time.time() + 20
-    while time.time() < deadline:
-        h = sparse_server.health()
-        if h["requests_cancelled"] > before["requests_cancelled"] and not h["requests_processing"]:
-            break
-        time.sleep(0.1)
-    assert h["requests_cancelled"] == before["requests_cancelled"] + 1, h
-    assert h["requests_served"] == before["requests_served"]
+    _assert_one_more_cancelled(sparse_server, before)
 
 
 def test_tokenize_detokenize_and_aliases(sparse_server):

@@ -149,38 +149,32 @@ class CheckpointReader:
         """Every tensor name in the checkpoint (its own spelling)."""
         return list(self._files)
 
-    def shape(self, key: str) -> tuple[int, ...] | None:
-        """Shape of tensor ``key`` (model naming) from the shard's header, without reading it;
-        None when absent."""
+    def _header(self, key: str, from_safetensors, from_bin):
+        """``from_safetensors(slice)`` or ``from_bin(tensor)`` for tensor ``key`` without reading its
+        data (a safetensors slice, or a lazily loaded .bin tensor); None when absent."""
         name = self.resolve(key)
         if name is None:
             return None
         path = self._files[name]
         try:
             if path.suffix == ".safetensors":
-                return tuple(self._open_safe(path).get_slice(name).get_shape())
-            return tuple(self._open_bin(path)[name].shape)
+                return from_safetensors(self._open_safe(path).get_slice(name))
+            return from_bin(self._open_bin(path)[name])
         except PowerInferError:
             raise
         except Exception as e:  # noqa: BLE001
             raise PowerInferError(f"{path}: could not read tensor {name!r} ({str(e).splitlines()[0]})") from None
 
+    def shape(self, key: str) -> tuple[int, ...] | None:
+        """Shape of tensor ``key`` (model naming) from the shard's header, without reading it;
+        None when absent."""
+        return self._header(key, lambda sl: tuple(sl.get_shape()), lambda t: tuple(t.shape))
+
     def dtype(self, key: str) -> str | None:
         """Stored dtype of tensor ``key`` in safetensors' spelling (``F32``, ``BF16``, ``I8``...),
         from the shard header; None when absent."""
-        name = self.resolve(key)
-        if name is None:
-            return None
-        path = self._files[name]
-        try:
-            if path.suffix == ".safetensors":
-                return str(self._open_safe(path).get_slice(name).get_dtype())
-            t = self._open_bin(path)[name]
-        except PowerInferError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise PowerInferError(f"{path}: could not read tensor {name!r} ({str(e).splitlines()[0]})") from None
-        return _TORCH_DTYPE_NAMES.get(t.dtype, str(t.dtype).removeprefix("torch.").upper())
+        return self._header(key, lambda sl: str(sl.get_dtype()),
+                            lambda t: _TORCH_DTYPE_NAMES.get(t.dtype, str(t.dtype).removeprefix("torch.").upper()))
 
     def __contains__(self, key: str) -> bool:
         return self.resolve(key) is not None

@@ -80,6 +80,17 @@ def _reply(session: Session, ids: list[int], n_predict: int, sampler: SamplerSet
     return "".join(shown), st.token_ids, st
 
 
+def _prompt(read_line: Callable[[str], str], out: TextIO) -> str | None:
+    """The user's next line; None at the end of input or Ctrl-C at the prompt (SIGTERM propagates)."""
+    try:
+        return read_line("> ")
+    except Terminated:  # SIGTERM ends the program, not just this prompt
+        raise
+    except (EOFError, KeyboardInterrupt):
+        out.write("\n")
+        return None
+
+
 def _fit(template: ChatTemplate, tok, messages: list[dict[str, str]], n_keep: int, n_ctx: int,
          reserve: int) -> tuple[list[dict[str, str]], str, list[int], int]:
     """Drop the oldest turns after the first ``n_keep`` messages (the system prompt) until the
@@ -115,12 +126,8 @@ def chat_loop(session: Session, template: ChatTemplate, sampler: SamplerSettings
     history_text = ""  # the rendered prompt so far plus the reply as shown
     stops = tuple(template.stop_strings)
     while True:
-        try:
-            line = read_line("> ")
-        except Terminated:  # SIGTERM ends the program, not just this prompt
-            raise
-        except (EOFError, KeyboardInterrupt):
-            out.write("\n")
+        line = _prompt(read_line, out)
+        if line is None:
             return log
         if not line.strip():
             continue
@@ -169,11 +176,7 @@ def interactive_loop(session: Session, prompt_ids: list[int], sampler: SamplerSe
         _, gen_ids, st = _reply(session, ids, n_predict, sampler, (), out, ignore_eos)
         log.turns.append(st)
         ids = ids + gen_ids
-        try:
-            line = read_line("> ")
-        except Terminated:  # SIGTERM ends the program, not just this prompt
-            raise
-        except (EOFError, KeyboardInterrupt):
-            out.write("\n")
+        line = _prompt(read_line, out)
+        if line is None:
             return log
         ids = ids + session.tok.encode(line + "\n", continuation=True)
