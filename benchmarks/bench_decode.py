@@ -52,7 +52,7 @@ from bench_ffn import read_bandwidth  # noqa: E402
 
 from powerinfer.formats.gguf_file import open_gguf  # noqa: E402
 from powerinfer.runtime import kernels  # noqa: E402
-from powerinfer.runtime.generate import SamplerSettings, decode_bytes_per_token, generate  # noqa: E402
+from powerinfer.runtime.generate import SamplerSettings, count_fired, decode_bytes_per_token, generate  # noqa: E402
 from powerinfer.runtime.model import Transformer  # noqa: E402
 from powerinfer.runtime.tokenizer import GGUFTokenizer  # noqa: E402
 from powerinfer.runtime.weights import compute_dtype  # noqa: E402
@@ -94,6 +94,7 @@ class PiEngine(Engine):
         self.bytes_per_token = decode_bytes_per_token(self.model, None if self.model.dense else 0.1)
 
     def run(self, ids, n):
+        count_fired(self.model)
         st = generate(self.model, ids, n + 1, SamplerSettings(temp=0.0), None)
         if not self.model.dense:  # bytes from the rows really read
             self.bytes_per_token = decode_bytes_per_token(self.model, st.decode_active_share, st.decode_fired_share)

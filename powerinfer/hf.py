@@ -20,6 +20,7 @@ import torch
 
 from . import models
 from .errors import PowerInferError
+from .limits import MAX_LAYERS, MAX_ROPE_BASE, MAX_THRESHOLD
 from .families import (Activation, Family, adapt_config, family_for_config, read_hf_config,
                        resolve_activation)
 from .families import hf_dims
@@ -43,12 +44,11 @@ def resolve_model(model_dir: str | Path) -> tuple[Family, dict[str, Any], Activa
     return fam.for_config(cfg), cfg, act  # --ffn-activation, else the family default
 
 
-MAX_LAYERS = 4096  # as many as an activation or predictor folder may hold
 MAX_VOCAB = 1 << 21
 # config keys we read as floats: (lowest allowed, highest allowed, lowest is excluded)
 FLOAT_KEYS = {"rms_norm_eps": (0.0, 1.0, True), "layer_norm_eps": (0.0, 1.0, True),
-              "layer_norm_epsilon": (0.0, 1.0, True), "rope_theta": (0.0, 1e12, True),
-              "hidden_act_param": (-1e4, 1e4, False)}
+              "layer_norm_epsilon": (0.0, 1.0, True), "rope_theta": (1.0, MAX_ROPE_BASE, False),
+              "hidden_act_param": (0.0, MAX_THRESHOLD, False)}
 INT_KEYS = {"num_hidden_layers": MAX_LAYERS, "n_layer": MAX_LAYERS, "vocab_size": MAX_VOCAB}
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors names of the weight dtypes we convert
 

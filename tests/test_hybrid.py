@@ -144,8 +144,9 @@ def test_split_ffn_time_is_counted_for_bench(sparse_file):
 # (benchmarks/gpu_check.py runs them on a GPU machine).
 from family_models import BUILDERS  # noqa: E402
 
-from powerinfer.runtime.hybrid import (HybridFFN, _nbytes, place_model, placement_lines,  # noqa: E402
+from powerinfer.runtime.hybrid import (HybridFFN, place_model,  # noqa: E402
                                        plan_dense, offload)
+from powerinfer.runtime.weights import weight_nbytes  # noqa: E402
 
 FAM_PROMPT = [1, 5, 9, 14, 3, 7, 11, 2, 6, 10, 4, 8]  # longer than Bamboo's sliding window (8)
 
@@ -299,13 +300,13 @@ def test_cold_neurons_run_in_the_worker_and_none_when_all_fit(sparse_file, monke
 
 def _weight_bytes(m):
     """Every weight byte of an unplaced model, counted from its own tensors."""
-    n = _nbytes(m.tok_embd) + _nbytes(m.pos_embd) + _nbytes(m.output_norm.w) + _nbytes(m.output_norm.b)
-    n += 0 if m.output is m.tok_embd else _nbytes(m.output)
+    n = weight_nbytes(m.tok_embd) + weight_nbytes(m.pos_embd) + weight_nbytes(m.output_norm.w) + weight_nbytes(m.output_norm.b)
+    n += 0 if m.output is m.tok_embd else weight_nbytes(m.output)
     for l in m.layers:
         norms = [l.attn_norm] + ([] if l.ffn_norm is l.attn_norm else [l.ffn_norm])
-        n += sum(_nbytes(x.w) + _nbytes(x.b) for x in norms)
-        n += sum(_nbytes(getattr(l, k)) for k in ("wqkv", "bqkv", "wo", "bo"))
-        n += sum(_nbytes(getattr(l.ffn, k)) for k in ("gate", "up", "down_t", "gate_b", "up_b", "down_b", "fc1", "fc2"))
+        n += sum(weight_nbytes(x.w) + weight_nbytes(x.b) for x in norms)
+        n += sum(weight_nbytes(getattr(l, k)) for k in ("wqkv", "bqkv", "wo", "bo"))
+        n += sum(weight_nbytes(getattr(l.ffn, k)) for k in ("gate", "up", "down_t", "gate_b", "up_b", "down_b", "fc1", "fc2"))
     return n
 
 
@@ -314,14 +315,14 @@ def test_placed_bytes_add_up_to_the_model(sparse_file, kind):
     path, L, n_ff = sparse_file
     total = _weight_bytes(Transformer(open_gguf(path)))
     m = Transformer(open_gguf(path))
-    kv_all = _nbytes(m.cache.k) + _nbytes(m.cache.v)
+    kv_all = weight_nbytes(m.cache.k) + weight_nbytes(m.cache.v)
     n_layers = {"none": 0, "partial": 3, "all": L}[kind]
     pl = place_model(m, n_layers, kind == "all", _masks(kind, L, n_ff) if kind != "partial" else None, "cpu")
     assert pl.bytes["device"] + pl.bytes["cpu"] == pytest.approx(total)
     assert pl.kv_bytes["device"] == pytest.approx(kv_all * n_layers / L)
     assert pl.kv_bytes["cpu"] == pytest.approx(kv_all * (L - n_layers) / L)
     if kind == "all":  # only the token embedding stays on the CPU
-        assert pl.bytes["cpu"] == _nbytes(m.tok_embd)
+        assert pl.bytes["cpu"] == weight_nbytes(m.tok_embd)
 
 
 def test_pi_run_bench_prints_the_placement_per_device(sparse_file, tmp_path):
@@ -341,14 +342,14 @@ def test_pi_run_bench_prints_the_placement_per_device(sparse_file, tmp_path):
     assert r.exit_code == 0, r.output
     m = Transformer(open_gguf(p))
     total = _weight_bytes(m)
-    kv = _nbytes(m.cache.k) + _nbytes(m.cache.v)
+    kv = weight_nbytes(m.cache.k) + weight_nbytes(m.cache.v)
     dev = re.search(r"placement: device side \(cpu, forced onto the CPU\): ([\d.]+) MB .*of (\d+)/(\d+) layers, "
                     r"output, ([\d.]+)% of FFN neurons", r.output)
     assert dev, r.output
-    assert float(dev[1]) == pytest.approx((total - _nbytes(m.tok_embd) + kv) / 1e6, abs=0.051)
+    assert float(dev[1]) == pytest.approx((total - weight_nbytes(m.tok_embd) + kv) / 1e6, abs=0.051)
     assert (int(dev[2]), int(dev[3]), float(dev[4])) == (L, L, 100.0)
     cpu = re.search(r"CPU side: ([\d.]+) MB \(weights ([\d.]+) MB, KV cache ([\d.]+) MB\)", r.output)
-    assert float(cpu[2]) == pytest.approx(_nbytes(m.tok_embd) / 1e6, abs=0.051) and float(cpu[3]) == 0
+    assert float(cpu[2]) == pytest.approx(weight_nbytes(m.tok_embd) / 1e6, abs=0.051) and float(cpu[3]) == 0
     busy = re.search(r"busy share of decode time: device side ([\d.]+)%, CPU side ([\d.]+)%", r.output)
     assert busy and 0 < float(busy[1]) <= 100 and float(busy[2]) <= 100
 

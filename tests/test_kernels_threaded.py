@@ -9,6 +9,8 @@ thread, whole) must also equal the one-thread result bit for bit.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -16,8 +18,15 @@ from powerinfer.runtime import kernels
 
 from test_qkernels import close, make, reference
 
-PAR_MIN = 1 << 18  # kernels.c
-PAR_MIN_BYTES = 1 << 17  # qkernels.c
+def _define(source: str, name: str) -> int:
+    """A ``#define NAME (1 << k)`` or ``#define NAME n`` of a C source, so the sizes here follow the kernels."""
+    m = re.search(rf"#define {name} \(?(\d+)(?: << (\d+))?\)?", source)
+    assert m, name
+    return int(m[1]) << int(m[2] or 0)
+
+
+PAR_MIN = _define(kernels.SOURCE.read_text(), "PAR_MIN")
+PAR_MIN_BYTES = _define(kernels.QSOURCE.read_text(), "PAR_MIN_BYTES")
 
 
 @pytest.fixture(params=["native", "scalar"])

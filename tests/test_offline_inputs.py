@@ -387,10 +387,25 @@ def test_offline_cli_modules_do_not_import_torch_until_run(module):
 
 
 def test_cli_constants_match_the_modules_they_stand_for():
-    from powerinfer.convert import cli, gpu_index, tensor_types, type_names
-    from powerinfer.formats import predictor
+    from powerinfer.convert import tensor_types, type_names
     from powerinfer.quant.types import WRITE_TYPES
 
     assert set(type_names.QUANTIZE_TYPES) == set(WRITE_TYPES)
     assert set(type_names.OUTTYPES) == set(tensor_types.FILE_TYPES)
-    assert cli.MAX_ABS_THRESHOLD == predictor.MAX_ABS_THRESHOLD and cli.MAX_BUDGET_GIB == gpu_index.MAX_BUDGET_GIB
+
+
+def test_a_threshold_the_stages_accept_is_one_the_loader_accepts():
+    """One limit (powerinfer.limits.MAX_THRESHOLD) for training, conversion and loading: a threshold
+    between the loader's old 1e3 and the stages' old 1e4 used to train and convert, then fail to load."""
+    from click.testing import CliRunner
+
+    from powerinfer.convert.cli import main as convert_main
+    from powerinfer.formats.predictor import check_sparse_threshold
+    from powerinfer.train_predictor.cli import main as train_main
+
+    with pytest.raises(PowerInferError, match="threshold"):
+        check_sparse_threshold(5000.0, "config.json")
+    for main, args in ((train_main, ["m", "--data", "d", "--out", "o", "--threshold", "5000"]),
+                       (convert_main, ["m", "--outfile", "o.gguf", "--sparse-threshold", "5000"])):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 2 and "5000" in r.output, r.output

@@ -51,6 +51,16 @@ def make(name: str, n: int, k: int, seed: int = 0) -> QWeight:
     return QWeight(torch.from_numpy(np.ascontiguousarray(raw).reshape(n, -1)), bt, n, k)
 
 
+def poison(w: QWeight, rows: torch.Tensor) -> QWeight:
+    """A copy of ``w`` whose ``rows`` read as NaN (every fp16 scale, or every F16 value, set to
+    NaN): a kernel that reads one of them returns NaN, one that skips them cannot tell."""
+    raw = w.raw.clone()
+    blocks = raw.view(w.n_rows, -1, w.btype.nbytes)
+    for off in QWeight._SCALES.get(w.btype.name, (0,)):
+        blocks[rows, :, off:off + 2] = torch.tensor([0x00, 0x7E], dtype=torch.uint8)  # fp16 NaN, little-endian
+    return QWeight(raw, w.btype, w.n_rows, w.n_cols)
+
+
 def q8_round_trip(x: torch.Tensor) -> torch.Tensor:
     """``x`` ``[..., K]`` as the kernels see it: 8-bit blocks of 32, scale amax/127 (written
     here again, independently of ``kernels.q8_round_trip``)."""
@@ -109,6 +119,8 @@ def test_sparse_rows_equal_reference_and_skip_up_rows_of_silent_gates(lib, name)
     assert torch.equal(g0, g)
     assert torch.equal(u0, torch.where(g > 0, u, torch.zeros_like(u)))  # ReLU(gate) * up is unchanged
     assert (g <= 0).any() and (g > 0).any()
+    _, u_skip = kernels.rows_dot(x, idx, gate, poison(up, idx[g <= 0]), gmin=0.0)
+    assert torch.equal(u_skip, u0)  # the up rows of silent gates are not read (NaN would show)
     only, none = kernels.rows_dot(x, idx[:0], gate)
     assert only.shape == (0,) and none is None
 
@@ -121,6 +133,8 @@ def test_sparse_axpy_equals_reference_and_skips_zero_coefficients(lib, name):
     out = kernels.rows_axpy(idx, down_t, coef)
     want = coef.double() @ down_t.dequantize().double()[idx]
     assert out.shape == (512,) and close(out, want)
+    skipped = kernels.rows_axpy(idx, poison(down_t, idx[coef == 0]), coef)
+    assert torch.equal(skipped, out)  # rows with coefficient 0 are not read (NaN would show)
     assert torch.equal(kernels.rows_axpy(idx[:0], down_t, coef[:0]), torch.zeros(512))
 
 

@@ -507,7 +507,7 @@ def test_unwritable_output_and_bad_inputs(files, tmp_path):
     (tmp_path / "afile").write_text("x")
     _fails([files["f16"], tmp_path / "afile" / "sub" / "o.gguf", "q4_0"], "afile")
     _fails([tmp_path / "missing.gguf", tmp_path / "o.gguf", "q4_0"], "missing.gguf", "not found")
-    _fails([files["f16"], files["f16"], "q4_0"], "is the input file")
+    _fails([files["f16"], files["f16"], "q4_0"], "is an input file")
     (tmp_path / "text.gguf").write_text("not a gguf at all")
     _fails([tmp_path / "text.gguf", tmp_path / "o.gguf", "q4_0"], "wrong magic")
     if os.geteuid() != 0:  # root writes anywhere

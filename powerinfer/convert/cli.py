@@ -8,11 +8,10 @@ import click
 
 from ..activation_flag import ffn_activation_option
 from ..cli_params import FiniteFloat
-from ..errors import PowerInferError, cli_errors
+from ..errors import cli_errors
 from .type_names import DEFAULT_PREDICTOR_TYPE, OUTTYPES, PREDICTOR_TYPES
 
-MAX_ABS_THRESHOLD = 1e4  # = formats.predictor.MAX_ABS_THRESHOLD (that module imports torch; --help must not)
-MAX_BUDGET_GIB = 1 << 20  # = convert.gpu_index.MAX_BUDGET_GIB
+from ..limits import MAX_BUDGET_GIB, MAX_THRESHOLD
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -26,7 +25,7 @@ MAX_BUDGET_GIB = 1 << 20  # = convert.gpu_index.MAX_BUDGET_GIB
 @click.option("--predictor-type", type=click.Choice(PREDICTOR_TYPES, case_sensitive=False), default=None,
               help=f"Type of the predictor matrices fc1/fc2 (default: the outtype for f16/f32, "
                    f"{DEFAULT_PREDICTOR_TYPE} for quantized files).")
-@click.option("--sparse-threshold", type=FiniteFloat(-MAX_ABS_THRESHOLD, MAX_ABS_THRESHOLD), default=None,
+@click.option("--sparse-threshold", type=FiniteFloat(-MAX_THRESHOLD, MAX_THRESHOLD), default=None,
               help="Predictor logit threshold (default: the predictor folder's config.json, else 0.0).")
 @click.option("--vram-budget", type=FiniteFloat(0, MAX_BUDGET_GIB), default=None,
               help="GiB of GPU memory: also write <outfile>.generated.gpuidx placing the hottest neurons.")

@@ -34,7 +34,7 @@ from .placement import neuron_bytes, place_neurons
 log = logging.getLogger(__name__)
 
 GIB = 1 << 30
-MAX_BUDGET_GIB = 1 << 20  # 1 PiB: more than any GPU; bounds int(budget * GIB)
+from ..limits import MAX_BUDGET_GIB  # noqa: E402
 _FFN_ROWS = (".ffn_gate.weight", ".ffn_up.weight", ".ffn_down_t.weight", ".ffn_down.weight")
 _TYPE_NAMES = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q4_0"}
 

@@ -34,7 +34,7 @@ from ..errors import PowerInferError
 from ..formats._atomic import atomic_path
 from ..formats.gguf_file import PWRI_BYTES, GGUFFile, open_gguf, read_magic, set_magic
 from ..progress import progress as progress_bar
-from ..quant.types import WRITE_TYPES, check_quantized
+from ..quant.types import WRITE_TYPES
 from .outfile import check_outfile
 from .tensor_types import (FILE_TYPES, PREDICTOR_TYPES, UPSTREAM_Q8_0_SPARSE, Encoded, encode, fallback_note,
                            falls_back, tensor_type)
@@ -173,14 +173,11 @@ def quantize_file(src: str | Path, dst: str | Path, qtype: str, predictor_type: 
     arch = g.arch
     if arch == "generic.gpu_index":
         raise PowerInferError(f"{src}: a GPU index file (generic.gpu_index), not a model; nothing to quantize")
-    if dst.exists() and dst.resolve() == src.resolve():
-        raise PowerInferError(f"{dst}: is the input file; give another output name")
     check_outfile(dst, [src])  # only an earlier GGUF output may be replaced
 
     plan = []  # (tensor, torch shape, output type or None to copy as is)
     for t in g.reader.tensors:
         shape = _torch_shape(t)
-        check_quantized(src, t.name, t.tensor_type, shape, int(t.n_bytes))
         out = tensor_type(t.name, shape, qtype, predictor_type) if t.tensor_type in _FLOAT_IN else None
         plan.append((t, shape, out))
     other = Counter(t.tensor_type.name for t, s, o in plan if o is None and len(s) == 2

@@ -68,7 +68,8 @@ def _load(s: Setup, mode: str):
     """Load the model for ``mode`` with the context ``-c`` asks for; check it fits."""
     import torch
 
-    from ..runtime.cli import default_threads, load_model
+    from ..runtime.loading import default_threads, load_model
+
     model, tok = load_model(s.model_path, s.dtype, dense=mode == "dense", n_ctx=s.ctx_size or DEFAULT_CTX)
     if s.ctx_size and model.n_ctx < s.ctx_size:
         raise PowerInferError(f"-c {s.ctx_size}: larger than the model's context length {model.n_ctx}")
@@ -144,7 +145,7 @@ def compare_table(results: dict[str, PerplexityResult]) -> str:
 def main(model_path, text_path, ctx_size, n_chunks, n_batch, threads, dtype, dense, oracle, compare):
     """Perplexity of a model on a text, computed as llama.cpp's llama-perplexity does."""
     from ..formats.gguf_file import open_gguf
-    from ..runtime.cli import check_threads
+    from ..runtime.loading import check_threads
     from .perplexity import read_text
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")

@@ -19,12 +19,12 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import PowerInferError
+from ..limits import MAX_LAYERS
 from ._atomic import atomic_dir
 
 STATS_FILE = "powerinfer_stats.json"
 _NAME = re.compile(r"activation_(\d+)\.pt")
 OWNED = r"activation_\d+\.pt|powerinfer_stats\.json|report\.png|\.gitkeep"  # what an activation folder may hold
-MAX_LAYERS = 4096
 MAX_N_FF = 1 << 22
 
 

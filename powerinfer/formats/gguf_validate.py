@@ -60,9 +60,7 @@ DEFAULT_ALIGNMENT = 32
 # model dimensions (read by runtime/args.py)
 MAX_DIM = 1 << 20
 MAX_CTX = 1 << 22
-MAX_LAYERS = 4096
-MAX_ROPE_BASE = 1e12
-MAX_THRESHOLD = 1e3  # |logit| cut-offs beyond this are sigmoid 0 or 1 in any precision
+from ..limits import MAX_LAYERS, MAX_ROPE_BASE, MAX_THRESHOLD  # noqa: E402,F401  (shared with the stages)
 
 # GGUF value types (gguf.GGUFValueType)
 _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}

@@ -55,7 +55,7 @@ def save_predictor_dir(out_dir: str | Path, layers: Sequence[LayerPredictor], co
     return Path(out_dir)
 
 
-MAX_ABS_THRESHOLD = 1e4  # a logit threshold beyond this predicts every neuron (or none) active
+from ..limits import MAX_THRESHOLD as MAX_ABS_THRESHOLD  # noqa: E402  beyond it every neuron (or none) is active
 
 
 def check_sparse_threshold(t: Any, where: str) -> float:

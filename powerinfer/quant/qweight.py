@@ -77,7 +77,6 @@ class QWeight:
         """Bytes per value (fractional: Q4_0 is 18/32)."""
         return self.btype.nbytes / self.btype.block
 
-    # ------------------------------------------------------------ rows
     # ------------------------------------------------------------ checks
     _SCALES = {"Q4_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}  # byte offsets of fp16 scales
 
@@ -147,12 +146,6 @@ class QWeight:
             raise ValueError("QWeight selects stored rows only (dim 0, untransposed, row layout)")
         return QWeight(self.raw.index_select(0, ids.to(torch.long)).contiguous(), self.btype, int(ids.numel()),
                        self.n_cols)
-
-    def rows(self, r0: int, r1: int) -> "QWeight":
-        """Rows ``[r0, r1)`` as a view."""
-        if self.layout != "rows":
-            raise ValueError("rows of an x8 QWeight cannot be viewed")
-        return QWeight(self.raw[r0:r1], self.btype, r1 - r0, self.n_cols)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
         """The stored rows (all, a slice, or LongTensor ``rows``) as ``dtype`` ``[n, K]``, untransposed.

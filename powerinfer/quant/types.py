@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
-from ..errors import PowerInferError
 
 
 @dataclass(frozen=True)
@@ -42,25 +41,3 @@ KERNEL_TYPES = {n: _bt(n) for n in ("Q4_0", "Q8_0", "Q4_K", "Q6_K")}
 WRITE_TYPES = {"q4_0": KERNEL_TYPES["Q4_0"], "q8_0": KERNEL_TYPES["Q8_0"]}
 
 
-def check_quantized(path, name: str, qtype: QT, shape: tuple[int, ...], n_bytes: int) -> BlockType | None:
-    """The :class:`BlockType` of a file tensor (None for float types), after checking its size.
-
-    ``shape`` is torch order (rows first). Raises PowerInferError naming the tensor when
-    the row length is not a multiple of the block size or the byte size does not match
-    type and shape.
-    """
-    if qtype.name in FLOAT_TYPES:
-        return None
-    block, nbytes = GGML_QUANT_SIZES[qtype]
-    k = shape[-1]
-    rows = 1
-    for s in shape[:-1]:
-        rows *= s
-    if k % block:
-        raise PowerInferError(f"{path}: tensor {name!r} ({qtype.name}) has rows of {k} values, "
-                              f"not a multiple of the {qtype.name} block size {block}")
-    want = rows * (k // block) * nbytes
-    if want != n_bytes:
-        raise PowerInferError(f"{path}: tensor {name!r} ({qtype.name}, shape {list(shape)}) has {n_bytes} bytes, "
-                              f"expected {want}")
-    return KERNEL_TYPES.get(qtype.name)

@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING
 import click
 
 from .. import __version__
+from ..cli_params import FiniteFloat
 from ..errors import PowerInferError, cli_errors
+from ..limits import MAX_BUDGET_GIB
 
 if TYPE_CHECKING:  # torch and the runtime load when the command runs, so --help answers at once
     from .generate import GenStats
@@ -26,16 +28,6 @@ if TYPE_CHECKING:  # torch and the runtime load when the command runs, so --help
 MAX_PROMPT_FILE_BYTES = 16 << 20  # -f: larger files are refused
 SEED_MAX = 2**63 - 1
 DTYPE_NAMES = ("bf16", "f32")  # runtime.weights.DTYPES, named here without importing torch
-_LOADING = ("SMALL_MODEL_BYTES", "check_threads", "default_threads", "load_model", "open_for_inference")
-
-
-def __getattr__(name: str):
-    """The model-opening helpers, once at home here, now in :mod:`powerinfer.runtime.loading`."""
-    if name in _LOADING:
-        from . import loading
-
-        return getattr(loading, name)
-    raise AttributeError(name)
 
 
 def read_prompt_file(path: str) -> str:
@@ -166,7 +158,7 @@ def bench_report(model: "Transformer", st: "GenStats", path: str) -> str:
 @click.option("-t", "--threads", default=0,
               help="CPU threads (0: 1 for models under 64 MB of weights per token, else torch's default).")
 @click.option("--dense", is_flag=True, help="Compute every FFN neuron even in a PWRI file.")
-@click.option("--vram-budget", type=float, default=None,
+@click.option("--vram-budget", type=FiniteFloat(0, MAX_BUDGET_GIB), default=None,
               help="GiB of GPU memory: hot FFN neurons go to the GPU, cold ones stay on the CPU.")
 @click.option("--activation", "activation_dir", type=click.Path(file_okay=False), default=None,
               help="Activation folder for the neuron placement (default: activation/ beside the model).")
@@ -194,9 +186,9 @@ def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_
     """Generate text with sparse FFNs: only the neurons the predictor marks active are computed."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     from . import kernels
-    from .generate import SamplerSettings, generate
+    from .generate import SamplerSettings, count_fired, generate
     from .loading import open_for_inference
-    from .tokenizer import TextStream
+    from .session import Session
 
     check_sampler(n_predict, temp, top_k, top_p, seed, repeat_penalty, repeat_last_n, min_p)
     if prompt_file is not None:
@@ -232,6 +224,7 @@ def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_
                 if model.n_ctx < model.max_ctx else "shorten it: this is the model's context length")
         raise PowerInferError(f"prompt: {len(ids)} tokens do not fit the context length {model.n_ctx} ({hint})")
     if bench:
+        count_fired(model)
         st = generate(model, ids, n_predict, SamplerSettings(temp=0.0), None)
         sys.stdout.write(bench_report(model, st, model_path))
         return
@@ -239,18 +232,15 @@ def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_
         sys.stdout.write(prompt)
         sys.stdout.flush()
         return run_interactive(model, tok, ids, sampler, n_predict, ignore_eos)
-    stream = TextStream(tok, ids)
     out = sys.stdout
     out.write(prompt)
     out.flush()
 
-    def on_token(t: int) -> None:
-        out.write(stream.push(t))
+    def on_text(piece: str) -> None:
+        out.write(piece)
         out.flush()
 
-    eos = None if ignore_eos else tok.eos_id
-    late = () if ignore_eos or tok.bos_id is None else (tok.bos_id,)
-    st = generate(model, ids, n_predict, sampler, eos, on_token, stop_after_first=late)
+    st, _ = Session(model, tok).generate_text(ids, n_predict, sampler, on_text, ignore_eos=ignore_eos)
     out.write("\n")
     out.flush()
     mode = "dense" if model.dense else "sparse"

@@ -44,7 +44,8 @@ class FFN:
     threshold: float = 0.0
     n_active: int = 0  # neurons computed, summed over calls (sparse only)
     n_calls: int = 0  # tokens seen
-    n_fired: int = 0  # neurons whose activation was non-zero, summed over calls (sparse only)
+    n_fired: int = 0  # neurons whose activation was non-zero, summed over calls (sparse, count_fired only)
+    count_fired: bool = False  # count n_fired (a --bench figure; a sync-free count_nonzero per call)
     t_ffn: float = 0.0  # seconds spent in this FFN (predictor included), summed over calls
     t_predict: float = 0.0  # seconds spent in the predictor
 
@@ -96,7 +97,8 @@ class FFN:
         self.n_active += int(mask.sum())
         gate, up = self.preact(xn)
         hidden = self.family.combine(self.act, gate, up) * mask.to(xn.dtype)
-        self.n_fired += int(torch.count_nonzero(hidden))
+        if self.count_fired:
+            self.n_fired += int(torch.count_nonzero(hidden))
         return self.down(hidden)
 
     def preact(self, xn: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -129,6 +131,7 @@ class FFN:
         if self.up_b is not None:
             up = up + self.up_b[idx]
         hidden = self.family.combine(self.act, gate, up)  # [k]
-        self.n_fired += int(torch.count_nonzero(hidden))
+        if self.count_fired:
+            self.n_fired += int(torch.count_nonzero(hidden))
         out = kernels.rows_axpy(idx, self.down_t, hidden).to(x.dtype)
         return out if self.down_b is None else out + self.down_b

@@ -22,6 +22,7 @@ import torch
 from ..errors import PowerInferError
 from . import kernels
 from .model import Transformer
+from .weights import weight_nbytes
 
 
 @dataclass
@@ -50,7 +51,7 @@ def apply_repeat_penalty(logits: torch.Tensor, history: Sequence[int], penalty: 
 def sample(logits: torch.Tensor, s: SamplerSettings, gen: torch.Generator | None,
            history: Sequence[int] = ()) -> int:
     """One token id from fp32 logits ``[V]`` (``history``: the last tokens, for the repetition penalty)."""
-    logits = apply_repeat_penalty(logits, history, getattr(s, "repeat_penalty", 1.0))
+    logits = apply_repeat_penalty(logits, history, s.repeat_penalty)
     if s.temp <= 0:
         return int(logits.argmax())
     if 0 < s.top_k < logits.numel():
@@ -61,9 +62,8 @@ def sample(logits: torch.Tensor, s: SamplerSettings, gen: torch.Generator | None
     if s.top_p < 1.0:
         keep = int((probs.cumsum(-1) < s.top_p).sum()) + 1
         vals, idx = vals[:keep], idx[:keep]
-    min_p = getattr(s, "min_p", 0.0)
-    if min_p > 0.0:  # llama.cpp's min-p: logits within log(min_p) of the best one
-        keep = max(1, int((vals >= vals[0] + math.log(min_p)).sum()))
+    if s.min_p > 0.0:  # llama.cpp's min-p: logits within log(min_p) of the best one
+        keep = max(1, int((vals >= vals[0] + math.log(s.min_p)).sum()))
         vals, idx = vals[:keep], idx[:keep]
     probs = torch.softmax(vals / s.temp, -1)
     return int(idx[torch.multinomial(probs, 1, generator=gen)])
@@ -106,6 +106,15 @@ class GenStats:
         return self.n_eval / self.t_gen if self.t_gen > 0 and self.n_eval else float("nan")
 
 
+def count_fired(model: Transformer, on: bool = True) -> None:
+    """Have the model's sparse FFNs count the neurons whose activation is non-zero (for
+    ``GenStats.decode_fired_share`` and the bytes a decode step reads); off by default, as it
+    costs a count per layer and token. FFNs split by GPU offload do not count."""
+    for layer in model.layers:
+        if hasattr(layer.ffn, "count_fired"):
+            layer.ffn.count_fired = on
+
+
 def ffn_counters(model: Transformer) -> tuple[float, float, int, int, int]:
     """``(t_ffn, t_predict, n_active, n_calls, n_fired)`` summed over the model's FFNs."""
     ffns = [layer.ffn for layer in model.layers]
@@ -124,21 +133,18 @@ def decode_bytes_per_token(model: Transformer, active_share: float | None = None
     neurons, the up and down rows only of those that fired (a silent gate's up row and a
     zero activation's down row are skipped); without a gate, up rows of the predicted
     neurons and down rows of the fired ones."""
-    def nb(w) -> float:  # a tensor, a QWeight (fractional bytes per value) or a list of them
-        return sum(nb(p) for p in w) if isinstance(w, list) else w.numel() * w.element_size()
-
-    n = nb(model.output)
+    n = weight_nbytes(model.output)
     for layer in model.layers:
         f = layer.ffn
         for w in (layer.wqkv, layer.wo):
-            n += nb(w)
+            n += weight_nbytes(w)
         parts = [f] if hasattr(f, "up") else [p for p in (f.cpu, f.gpu) if p is not None]  # HybridFFN: both sides
         def rows_of(*names: str) -> float:
-            return sum(nb(w) for p in parts for w in (getattr(p, k) for k in names) if w is not None)
+            return sum(weight_nbytes(w) for p in parts for w in (getattr(p, k) for k in names) if w is not None)
 
         rows = rows_of("gate", "up", "down_t")
         if f.sparse and not model.dense:
-            n += nb(f.fc1) + nb(f.fc2)
+            n += weight_nbytes(f.fc1) + weight_nbytes(f.fc2)
             if fired_share is not None and kernels.backend() == "c" and hasattr(f, "up"):
                 first = ("gate",) if f.gate is not None else ("up",)
                 rest = ("up", "down_t") if f.gate is not None else ("down_t",)
@@ -175,8 +181,7 @@ def generate(model: Transformer, prompt_ids: list[int], n_predict: int, sampler:
     if sampler.temp > 0:
         gen = torch.Generator()
         gen.manual_seed(sampler.seed if sampler.seed >= 0 else int(time.time_ns() % (1 << 31)))
-    penalty = getattr(sampler, "repeat_penalty", 1.0)
-    last_n = getattr(sampler, "repeat_last_n", 64)
+    penalty, last_n = sampler.repeat_penalty, sampler.repeat_last_n
     last_n = model.n_ctx if last_n < 0 else last_n
     history = list(prompt_ids) if penalty != 1.0 and last_n > 0 else None
     late_stops = set(stop_after_first)
@@ -221,6 +226,6 @@ def generate(model: Transformer, prompt_ids: list[int], n_predict: int, sampler:
     st.t_ffn, st.t_predict = c1[0] - c0[0], c1[1] - c0[1]
     if not model.dense and c1[3] > c0[3]:
         st.decode_active_share = (c1[2] - c0[2]) / ((c1[3] - c0[3]) * model.args.n_ff)
-        if all(hasattr(layer.ffn, "n_fired") for layer in model.layers):  # not counted by hybrid FFNs
+        if all(getattr(layer.ffn, "count_fired", False) for layer in model.layers):  # see count_fired
             st.decode_fired_share = (c1[4] - c0[4]) / ((c1[3] - c0[3]) * model.args.n_ff)
     return st

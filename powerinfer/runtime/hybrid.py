@@ -34,6 +34,7 @@ import logging
 import math
 import os
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -44,26 +45,18 @@ from ..errors import PowerInferError
 from ..quant.qweight import QWeight
 from .ffn import FFN
 from .kernels import dequant_rows
+from .weights import FLOAT_TYPES, weight_nbytes
 
 log = logging.getLogger(__name__)
 
 OFFLOAD_DEVICE_ENV = "POWERINFER_OFFLOAD_DEVICE"  # cpu: the device side runs on the CPU (tests, the README printout)
+HISTORY_PASSES = 4096  # forward passes whose timings --bench can report
 CUDA_DTYPE = torch.float16  # what the device side computes in on CUDA
 KV_ELEM_BYTES = 2  # the KV cache is sized in f16, as the GPU index and upstream size it
 VRAM_MARGIN = 256 << 20  # kept free on the GPU for activations and cuBLAS workspaces (upstream's margin)
-_QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
 
 
 # ---------------------------------------------------------------------------- weights on a device
-def _nbytes(w) -> float:
-    """Bytes of a tensor, a QWeight or a list of them (0 for None)."""
-    if w is None:
-        return 0.0
-    if isinstance(w, (list, tuple)):
-        return sum(_nbytes(p) for p in w)
-    return float(w.nbytes) if isinstance(w, QWeight) else float(w.numel() * w.element_size())
-
-
 def _dense(w: QWeight) -> torch.Tensor:
     """A QWeight as fp32 ``w.shape``."""
     d = dequant_rows(w, 0, w.n_rows) if w.layout == "rows" else w.dequantize()
@@ -164,10 +157,10 @@ class HybridFFN:
 
     def nbytes(self) -> tuple[float, float]:
         """Weight bytes ``(device side, CPU side)``; the predictor counts where it runs."""
-        rows = [0.0 if p is None else sum(_nbytes(getattr(p, k)) for k in
+        rows = [0.0 if p is None else sum(weight_nbytes(getattr(p, k)) for k in
                                           ("gate", "up", "down_t", "gate_b", "up_b", "down_b"))
                 for p in (self.gpu, self.cpu)]
-        pred = _nbytes(self.fc1) + _nbytes(self.fc2)
+        pred = weight_nbytes(self.fc1) + weight_nbytes(self.fc2)
         return (rows[0] + pred, rows[1]) if self.predictor_on_device else (rows[0], rows[1] + pred)
 
     def reset_stats(self) -> None:
@@ -312,7 +305,7 @@ def plan_dense(g, n_ctx: int, budget: int, cuda: bool) -> DensePlan:
     quant = False
     for t in g.reader.tensors:
         name = t.name
-        q = t.tensor_type.name in _QUANT_TYPES
+        q = t.tensor_type.name not in FLOAT_TYPES
         quant |= q and name.endswith(_FFN_ROWS)
         if name == "token_embd.weight" or name.endswith(_FFN_ROWS):
             continue
@@ -353,7 +346,9 @@ class DevicePlacement:
         self.n_neurons = self.n_gpu_neurons = 0
         self.bytes = {"device": 0.0, "cpu": 0.0}  # weights
         self.kv_bytes = {"device": 0.0, "cpu": 0.0}
-        self.history: list[tuple[int, float, float, float]] = []  # (tokens, wall s, device busy s, CPU busy s)
+        # (tokens, wall s, device busy s, CPU busy s) of the last forward passes: bounded, as a server
+        # that offloads runs for days
+        self.history: deque[tuple[int, float, float, float]] = deque(maxlen=HISTORY_PASSES)
         self.worker: ThreadPoolExecutor | None = None
         self._cuda = device.type == "cuda"
         self._t0 = self._dev_s = self._cpu_s = 0.0
@@ -442,16 +437,16 @@ def place_model(model, n_layers: int, head: bool, gpu_masks: list[np.ndarray] | 
             layer.ffn = HybridFFN(layer.ffn, m, device, dtype, predictor_on_device=on, placement=pl,
                                   cpu_dtype=model.dtype)
         side = "device" if on else "cpu"
-        pl.bytes[side] += sum(_nbytes(getattr(layer, k)) for k in ("wqkv", "bqkv", "wo", "bo"))
+        pl.bytes[side] += sum(weight_nbytes(getattr(layer, k)) for k in ("wqkv", "bqkv", "wo", "bo"))
         norms = [layer.attn_norm] + ([] if layer.ffn_norm is layer.attn_norm else [layer.ffn_norm])
-        pl.bytes[side] += sum(_nbytes(n.w) + _nbytes(n.b) for n in norms)
+        pl.bytes[side] += sum(weight_nbytes(n.w) + weight_nbytes(n.b) for n in norms)
         if isinstance(layer.ffn, HybridFFN):
             d, c = layer.ffn.nbytes()
             pl.bytes["device"] += d
             pl.bytes["cpu"] += c
         else:
             f = layer.ffn
-            pl.bytes["cpu"] += sum(_nbytes(getattr(f, k)) for k in
+            pl.bytes["cpu"] += sum(weight_nbytes(getattr(f, k)) for k in
                                    ("gate", "up", "down_t", "gate_b", "up_b", "down_b", "fc1", "fc2"))
         pl.n_gpu_neurons += int(m.sum())
     pl.n_neurons = L * n_ff
@@ -463,12 +458,12 @@ def place_model(model, n_layers: int, head: bool, gpu_masks: list[np.ndarray] | 
         model.head_on_device = True
     pl.n_layers, pl.head = n_layers, model.head_on_device
     on_out = "device" if model.head_on_device else "cpu"
-    pl.bytes[on_out] += _nbytes(model.output_norm.w) + _nbytes(model.output_norm.b) + (0 if tied else _nbytes(model.output))
-    pl.bytes["cpu"] += _nbytes(model.tok_embd) + _nbytes(model.pos_embd)
+    pl.bytes[on_out] += weight_nbytes(model.output_norm.w) + weight_nbytes(model.output_norm.b) + (0 if tied else weight_nbytes(model.output))
+    pl.bytes["cpu"] += weight_nbytes(model.tok_embd) + weight_nbytes(model.pos_embd)
     kd = model.cache.layer(0)[0] if n_layers else None
-    per_layer_kv = 0.0 if kd is None else 2 * _nbytes(kd)
+    per_layer_kv = 0.0 if kd is None else 2 * weight_nbytes(kd)
     pl.kv_bytes["device"] = per_layer_kv * n_layers
-    pl.kv_bytes["cpu"] = _nbytes(model.cache.k) + _nbytes(model.cache.v)
+    pl.kv_bytes["cpu"] = weight_nbytes(model.cache.k) + weight_nbytes(model.cache.v)
     if any(isinstance(l.ffn, HybridFFN) and l.ffn.cpu is not None and l.ffn.gpu is not None for l in model.layers):
         pl.start_worker()
     model.placement = pl

@@ -20,8 +20,7 @@ from typing import Callable, TextIO
 from ..errors import PowerInferError, Terminated
 from .chat import ChatTemplate, chat_prompt_ids
 from .generate import GenStats, SamplerSettings
-from .session import Session, StopMatcher
-from .tokenizer import TextStream
+from .session import Session
 
 
 @dataclass
@@ -56,23 +55,16 @@ class _Interrupt:
 def _reply(session: Session, ids: list[int], n_predict: int, sampler: SamplerSettings, stops: tuple[str, ...],
            out: TextIO, ignore_eos: bool) -> tuple[str, list[int], GenStats]:
     """Generate and print one reply; returns ``(text shown, token ids generated, stats)``."""
-    stream, matcher = TextStream(session.tok, ids), StopMatcher(stops)
     shown: list[str] = []
 
-    def on_token(t: int) -> None:
-        piece = matcher.feed(stream.push(t))
-        if piece:
-            shown.append(piece)
-            out.write(piece)
-            out.flush()
+    def on_text(piece: str) -> None:
+        shown.append(piece)
+        out.write(piece)
+        out.flush()
 
     with _Interrupt() as intr:
-        st = session.generate(ids, n_predict, sampler, ignore_eos=ignore_eos, on_token=on_token,
-                              should_stop=lambda: intr.hit or matcher.matched is not None)
-    tail = matcher.flush()
-    if tail:
-        shown.append(tail)
-        out.write(tail)
+        st, _ = session.generate_text(ids, n_predict, sampler, on_text, stops=stops, ignore_eos=ignore_eos,
+                                      should_stop=lambda: intr.hit)
     out.write("\n")
     out.flush()
     if intr.hit:

@@ -128,7 +128,9 @@ static inline void rows_range(int dt, const char *w1, const char *w2, const int6
     for (int64_t r = r0; r < r1; r++) {
         const int64_t j = idx[r], jn = (pfd > 0 && r + pfd < n) ? idx[r + pfd] : -1;
         y1[r] = dot(w1 + j * rb, x, K, dt, jn >= 0 ? w1 + jn * rb : NULL);
-        if (w2) y2[r] = (gmin == -INFINITY || y1[r] > gmin) ? dot(w2 + j * rb, x, K, dt, NULL) : 0.f;
+        /* without a gate threshold every up row is read: prefetch it as the gate row is */
+        if (w2) y2[r] = (gmin == -INFINITY || y1[r] > gmin)
+                            ? dot(w2 + j * rb, x, K, dt, (jn >= 0 && gmin == -INFINITY) ? w2 + jn * rb : NULL) : 0.f;
     }
 }
 
@@ -140,7 +142,8 @@ static void rows_any(int dt, const char *w1, const char *w2, const int64_t *idx,
 
 /* y1[r] = W1[idx[r]] . x and, if W2, y2[r] = W2[idx[r]] . x where y1[r] > gmin (else 0, the
  * W2 row unread: a gated ReLU neuron whose gate is silent), for r < n (idx ascending).
- * While neuron idx[r] is read, the gate row of idx[r + pfd] is prefetched. */
+ * While neuron idx[r] is read, the gate row of idx[r + pfd] is prefetched (and its W2 row when
+ * gmin is -inf, every W2 row then being read). */
 void pi_dot_rows(int dt, const void *W1, const void *W2, const int64_t *idx, int64_t n, int64_t K,
                  const void *x, float *y1, float *y2, int pfd, float gmin) {
     if (n * K < PAR_MIN || omp_get_max_threads() == 1) {

@@ -84,27 +84,28 @@ class KVCache:
                                   f"more than the {avail / 2**30:.1f} GiB of memory available: ask for less with -c")
         self.k = torch.zeros(n_layer, n_ctx, n_head_kv, head_dim, dtype=dtype)
         self.v = torch.zeros_like(self.k)
-        self._row = list(range(n_layer))  # layer -> its row of k/v (None once on a device)
-        self._moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (k, v) on a device
+        self._layers = [(self.k[i], self.v[i]) for i in range(n_layer)]  # views, made once (not per token)
+        self._cpu = list(range(n_layer))  # layers whose keys and values are rows of k, v
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``'s keys and values ``[n_ctx, Hkv, d]`` each, on the device that layer runs on."""
-        r = self._row[i]
-        return (self.k[r], self.v[r]) if r is not None else self._moved[i]
+        return self._layers[i]
 
     def move_layers(self, ids: list[int], device: torch.device | str, dtype: torch.dtype) -> None:
         """Keep layers ``ids``' keys and values on ``device`` in ``dtype`` (what they hold so far is
         copied); the CPU block shrinks to the remaining layers."""
-        for i in ids:
-            if self._row[i] is not None:
-                k, v = self.layer(i)
-                self._moved[i] = (k.to(device, dtype, copy=True), v.to(device, dtype, copy=True))
-        keep = [i for i in range(len(self._row)) if i not in self._moved]
-        rows = torch.tensor([self._row[i] for i in keep], dtype=torch.long)
-        self.k, self.v = self.k.index_select(0, rows), self.v.index_select(0, rows)
-        self._row = [None] * len(self._row)
-        for r, i in enumerate(keep):
-            self._row[i] = r
+        gone = set(ids) & set(self._cpu)
+        for i in gone:
+            k, v = self._layers[i]
+            self._layers[i] = (k.to(device, dtype, copy=True), v.to(device, dtype, copy=True))
+        self._cpu = [i for i in self._cpu if i not in gone]
+        if self._cpu:  # a new, smaller CPU block holding the remaining layers
+            self.k = torch.stack([self._layers[i][0] for i in self._cpu])
+            self.v = torch.stack([self._layers[i][1] for i in self._cpu])
+        else:
+            self.k, self.v = self.k[:0].clone(), self.v[:0].clone()
+        for r, i in enumerate(self._cpu):
+            self._layers[i] = (self.k[r], self.v[r])
 
 
 def _size(nbytes: int) -> str:
@@ -369,25 +370,23 @@ class Transformer:
             off = pos + self.args.family.learned_pos_offset
             x = x + self.pos_embd[off:off + T]
         pl = self.placement  # offloaded: the residual moves to a layer's side (a few KB), never weights
-        if pl is not None:
-            pl.begin_forward()
+        if pl is None:  # all on the CPU: nothing to move or time per layer
+            for i, layer in enumerate(self.layers):
+                x = self.block(i, layer, x, pos)
+            logits = linear(self.output_norm(x if all_logits else x[-1:]), self.output).float()
+            return logits if all_logits else logits[0]
+        pl.begin_forward()
         for i, layer in enumerate(self.layers):
             x = self._side(x, layer.on_device)
-            if pl is not None:
-                pl.segment_start(layer.on_device)
+            pl.segment_start(layer.on_device)
             x = self.block(i, layer, x, pos)
-            if pl is not None:
-                pl.segment_end(layer.on_device)
-        if not all_logits:
-            x = x[-1:]
-        x = self._side(x, self.head_on_device)
-        if pl is not None:
-            pl.segment_start(self.head_on_device)
+            pl.segment_end(layer.on_device)
+        x = self._side(x if all_logits else x[-1:], self.head_on_device)
+        pl.segment_start(self.head_on_device)
         logits = linear(self.output_norm(x), self.output)
         logits = logits.float().cpu() if all_logits else logits[0].float().cpu()
-        if pl is not None:
-            pl.segment_end(self.head_on_device)
-            pl.end_forward(T)
+        pl.segment_end(self.head_on_device)
+        pl.end_forward(T)
         return logits
 
     def block(self, i: int, layer: Layer, x: torch.Tensor, pos: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 from .generate import GenStats, SamplerSettings, generate
 from .model import Transformer
-from .tokenizer import GGUFTokenizer
+from .tokenizer import GGUFTokenizer, TextStream
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -52,6 +52,26 @@ class Session:
                       should_stop=should_stop)
         self.cached = list(ids) + st.token_ids[:st.n_eval]
         return st
+
+    def generate_text(self, ids: list[int], n_predict: int, sampler: SamplerSettings, on_text: Callable[[str], None],
+                      *, stops: Sequence[str] = (), ignore_eos: bool = False,
+                      should_stop: Callable[[], bool] | None = None) -> tuple[GenStats, str | None]:
+        """:meth:`generate` with the reply as text: ``on_text`` gets each piece (whole UTF-8 characters,
+        cut before the first of ``stops``, which ends generation). Returns the stats and the stop
+        string that ended it (None if none did)."""
+        stream, matcher = TextStream(self.tok, ids), StopMatcher(stops)
+
+        def on_token(t: int) -> None:
+            piece = matcher.feed(stream.push(t))
+            if piece:
+                on_text(piece)
+
+        st = self.generate(ids, n_predict, sampler, ignore_eos=ignore_eos, on_token=on_token,
+                           should_stop=lambda: matcher.matched is not None or (should_stop is not None and should_stop()))
+        tail = matcher.flush()
+        if tail:
+            on_text(tail)
+        return st, matcher.matched
 
     def reset(self) -> None:
         self.cached = []

@@ -36,7 +36,7 @@ from ..errors import PowerInferError
 from ..hardware import cpu_has_bf16
 from ..formats.gguf_file import GGUFFile
 from ..quant.qweight import MAPPED_TYPES, QWeight
-from ..quant.types import FLOAT_TYPES, check_quantized
+from ..quant.types import FLOAT_TYPES
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 log = logging.getLogger(__name__)
@@ -92,7 +92,6 @@ def _as_torch(g: GGUFFile, name: str, t) -> torch.Tensor:
             return torch.from_numpy(t.data).view(torch.bfloat16).view(shape)
     from gguf import quants
 
-    check_quantized(g.path, name, t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())), int(t.n_bytes))
     try:
         return torch.from_numpy(quants.dequantize(np.asarray(t.data), t.tensor_type))
     except NotImplementedError:
@@ -165,6 +164,15 @@ def load_concat(g: GGUFFile, names: list[str], dtype: torch.dtype) -> torch.Tens
 
 
 # ---------------------------------------------------------------------------- quantized files
+def weight_nbytes(w) -> float:
+    """Bytes of a tensor, a QWeight or a (nested) list or tuple of them; 0 for None."""
+    if w is None:
+        return 0.0
+    if isinstance(w, (list, tuple)):
+        return sum(weight_nbytes(p) for p in w)
+    return float(w.nbytes) if isinstance(w, QWeight) else float(w.numel() * w.element_size())
+
+
 def is_quantized(g: GGUFFile) -> bool:
     """True when any tensor of ``g`` has a block-quantized type."""
     return any(t.tensor_type.name not in FLOAT_TYPES for t in g.tensors.values())
@@ -178,8 +186,8 @@ def load_matrix(g: GGUFFile, name: str, dtype: torch.dtype, mapped: bool, dense_
     is re-laid out in 8-row groups (``kernels.for_dense_products``; a copy in anonymous
     memory, the mapped pages released: resident once either way).
 
-    Raises PowerInferError when a quantized tensor's byte size does not match its type and
-    shape, or its rows are not whole blocks.
+    A tensor whose byte size does not match its type and shape, or whose rows are not whole
+    blocks, never gets here: :func:`~powerinfer.formats.gguf_file.open_gguf` refuses the file.
     """
     t = _tensor(g, name)
     kind = t.tensor_type.name
@@ -191,8 +199,6 @@ def load_matrix(g: GGUFFile, name: str, dtype: torch.dtype, mapped: bool, dense_
                         "takes more memory than the file", g.path, kind, name, str(dtype).removeprefix("torch."))
         return load_tensor(g, name, dtype)
     bt = MAPPED_TYPES[kind]
-    if kind != "F16":
-        check_quantized(g.path, name, t.tensor_type, shape, int(t.n_bytes))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only map; weights are never written
         raw = torch.from_numpy(t.data.view(np.uint8).reshape(shape[0], bt.row_bytes(shape[1])))

@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -83,9 +83,14 @@ def create_app(state: ServerState) -> FastAPI:
                 "requests_processing": int(e.busy), "requests_served": e.n_served,
                 "requests_cancelled": e.n_cancelled}
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict:
+    # every route but /health needs the API key when the server has one
+    def auth(request: Request) -> None:
         _authorize(state, request)
+
+    api = APIRouter(dependencies=[Depends(auth)])
+
+    @api.get("/v1/models")
+    async def models() -> dict:
         m = state.model
         return {"object": "list", "data": [{
             "id": state.model_id, "object": "model", "created": state.created, "owned_by": "powerinfer",
@@ -93,17 +98,15 @@ def create_app(state: ServerState) -> FastAPI:
                      "n_layer": m.args.n_layer, "n_embd": m.args.n_embd, "n_ff": m.args.n_ff,
                      "family": m.args.family.name, "sparse": not m.dense}}]}
 
-    @app.post("/v1/completions")
+    @api.post("/v1/completions")
     async def completions(request: Request):
-        _authorize(state, request)
         req = await _parse(request, state, CompletionRequest)
         _check_model(state, req.model)
         ids = await asyncio.to_thread(_prompt_ids, state, req.prompt)
         return await _respond(request, state, req, ids, req.max_tokens, "completion")
 
-    @app.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        _authorize(state, request)
         req = await _parse(request, state, ChatRequest)
         _check_model(state, req.model)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content}
@@ -117,33 +120,27 @@ def create_app(state: ServerState) -> FastAPI:
         req.stop = list(req.stop) + [s for s in state.template.stop_strings if s not in req.stop]
         return await _respond(request, state, req, ids, limit, "chat")
 
-    @app.post("/completion")
+    @api.post("/completion")
     async def native_completion(request: Request):
-        _authorize(state, request)
         req = await _parse(request, state, NativeCompletionRequest)
         ids = await asyncio.to_thread(_prompt_ids, state, req.prompt)
         if req.penalty_last_n is not None:
             req.repeat_last_n = req.penalty_last_n
         return await _respond(request, state, req, ids, req.limit(), "native")
 
-    @app.post("/tokenize")
+    @api.post("/tokenize")
     async def tokenize(request: Request) -> dict:
-        _authorize(state, request)
         req = await _parse(request, state, TokenizeRequest)
         ids = await asyncio.to_thread(state.tok.encode, req.content, req.add_special, req.parse_special)
         return {"tokens": ids}
 
-    @app.post("/detokenize")
+    @api.post("/detokenize")
     async def detokenize(request: Request) -> dict:
-        _authorize(state, request)
         req = await _parse(request, state, DetokenizeRequest)
-        if any(not 0 <= t < state.tok.n_vocab for t in req.tokens):
-            raise HTTPError(400, f"tokens: ids must be in [0, {state.tok.n_vocab})", param="tokens")
-        return {"content": state.tok.decode(req.tokens)}
+        return {"content": state.tok.decode(_check_ids(state, req.tokens, "tokens"))}
 
-    @app.get("/props")
-    async def props(request: Request) -> dict:
-        _authorize(state, request)
+    @api.get("/props")
+    async def props() -> dict:
         m = state.model
         return {"model_path": state.model_path, "total_slots": 1, "chat_template": state.template.source,
                 "default_generation_settings": {
@@ -152,9 +149,10 @@ def create_app(state: ServerState) -> FastAPI:
                        if k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n")}}}
 
     # llama.cpp's aliases: unversioned OpenAI routes and /v1/health
-    app.add_api_route("/completions", completions, methods=["POST"])
-    app.add_api_route("/chat/completions", chat_completions, methods=["POST"])
+    api.add_api_route("/completions", completions, methods=["POST"])
+    api.add_api_route("/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/health", health, methods=["GET"])
+    app.include_router(api)
 
     return app
 
@@ -198,7 +196,7 @@ async def _parse(request: Request, state: ServerState, model: type):
         err = e.errors()[0]
         where = _field_path(err["loc"])
         raise HTTPError(400, f"{where}: {err['msg']}", param=where) from None
-    bad = req.unsupported() if hasattr(type(req), "unsupported") else None
+    bad = req.unsupported()
     if bad is not None:
         raise HTTPError(400, f"{bad}: not supported by this server", param=bad)
     return req
@@ -239,10 +237,13 @@ def _prompt_ids(state: ServerState, prompt: Any) -> list[int]:
             return state.tok.encode(prompt)
         except PowerInferError as e:
             raise HTTPError(400, f"prompt: {e}", param="prompt") from None
-    ids = list(prompt)
+    return _check_ids(state, list(prompt), "prompt")
+
+
+def _check_ids(state: ServerState, ids: list[int], field: str) -> list[int]:
     n = state.tok.n_vocab
     if any(not 0 <= t < n for t in ids):
-        raise HTTPError(400, f"prompt: token ids must be in [0, {n})", param="prompt")
+        raise HTTPError(400, f"{field}: token ids must be in [0, {n})", param=field)
     return ids
 
 

@@ -14,7 +14,9 @@ import sys
 import click
 
 from .. import __version__
+from ..cli_params import FiniteFloat
 from ..errors import PowerInferError, cli_errors
+from ..limits import MAX_BUDGET_GIB
 from ..runtime.cli import DTYPE_NAMES
 
 MAX_BODY_BYTES = 4 << 20
@@ -51,7 +53,7 @@ def _check_port_free(host: str, port: int) -> None:
               help="Compute dtype on the CPU.")
 @click.option("--kernels", "kernel_backend", type=click.Choice(["auto", "c", "torch"]), default=None,
               help="Decode kernels (default auto, or $POWERINFER_KERNELS).")
-@click.option("--vram-budget", type=float, default=None, help="GiB of GPU memory for hot neurons, as pi-run.")
+@click.option("--vram-budget", type=FiniteFloat(0, MAX_BUDGET_GIB), default=None, help="GiB of GPU memory for hot neurons, as pi-run.")
 @click.option("-a", "--alias", default=None, help="The model's name in the API (default: the file name).")
 @click.option("--api-key", envvar="POWERINFER_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' (also $POWERINFER_API_KEY).")
@@ -65,11 +67,7 @@ def main(model_path, host, port, ctx_size, threads, dense, dtype, kernel_backend
          max_queue, log_level):
     """Serve a model: POST /v1/completions, /v1/chat/completions (stream or not), /completion; GET /v1/models,
     /health. One request is generated at a time, in arrival order."""
-    import math
-
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(message)s")
-    if vram_budget is not None and not (math.isfinite(vram_budget) and vram_budget >= 0):
-        raise PowerInferError(f"--vram-budget {vram_budget}: must be a finite number of GiB >= 0")
     if api_key is not None and not api_key.strip():
         raise PowerInferError("--api-key: empty")
     import uvicorn

@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 
 from ..errors import PowerInferError
 from ..runtime.generate import GenStats, SamplerSettings
-from ..runtime.session import Session, StopMatcher
-from ..runtime.tokenizer import TextStream
+from ..runtime.session import Session
 
 log = logging.getLogger("powerinfer.server")
 WAKE_INTERVAL_S = 0.02  # a streamed chunk carries the tokens of up to 20 ms
@@ -91,7 +90,6 @@ class Engine:
         self.max_queue = max_queue
         self._q: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
-        self.n_waiting = 0
         self.busy = False
         self.n_served = 0
         self.n_cancelled = 0
@@ -103,6 +101,11 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="powerinfer-generate", daemon=True)
         self._thread.start()
 
+    @property
+    def n_waiting(self) -> int:
+        """Requests queued and not yet started."""
+        return len(self._live) - int(self.busy)
+
     def submit(self, job: Job) -> None:
         """Queue ``job``; QueueFull when ``max_queue`` requests already wait, or after :meth:`shutdown`."""
         with self._lock:
@@ -110,7 +113,6 @@ class Engine:
                 raise QueueFull(self._closing)
             if self.n_waiting >= self.max_queue:
                 raise QueueFull(f"{self.n_waiting} requests are already waiting (--max-queue {self.max_queue})")
-            self.n_waiting += 1
             self._live.add(job)
         self._q.put(job)
 
@@ -139,7 +141,6 @@ class Engine:
             if job is None:
                 return
             with self._lock:
-                self.n_waiting -= 1
                 self.busy = True
             try:
                 self._serve(job)
@@ -152,17 +153,10 @@ class Engine:
         if job.cancel.is_set():
             self.n_cancelled += 1
             return
-        stream, matcher = TextStream(self.session.tok, job.ids), StopMatcher(job.stop)
-
-        def on_token(t: int) -> None:
-            piece = matcher.feed(stream.push(t))
-            if piece:
-                job.emit("text", piece)
-
         try:
-            st = self.session.generate(job.ids, job.n_predict, job.sampler, ignore_eos=job.ignore_eos,
-                                       on_token=on_token,
-                                       should_stop=lambda: job.cancel.is_set() or matcher.matched is not None)
+            st, matched = self.session.generate_text(job.ids, job.n_predict, job.sampler,
+                                                     lambda piece: job.emit("text", piece), stops=job.stop,
+                                                     ignore_eos=job.ignore_eos, should_stop=job.cancel.is_set)
         except PowerInferError as e:
             job.emit("error", str(e))
             return
@@ -176,11 +170,8 @@ class Engine:
                 log.info("request cancelled after %d tokens (client gone)", st.n_gen)
             return
         self.n_served += 1
-        tail = matcher.flush()
-        if tail:
-            job.emit("text", tail)
-        if matcher.matched is not None:
-            res = Result("stop", "word", matcher.matched, st)
+        if matched is not None:
+            res = Result("stop", "word", matched, st)
         elif st.stop == "eos":
             res = Result("stop", "eos", "", st)
         else:

@@ -26,6 +26,10 @@ class _Base(BaseModel):
     # strict: "10" or true is not an integer, 2.0 is not a token count (an int is still a float)
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
+    def unsupported(self) -> str | None:
+        """The name of a field asking for something not implemented, else None."""
+        return None
+
 
 class StreamOptions(_Base):
     include_usage: bool = False

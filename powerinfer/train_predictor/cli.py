@@ -18,6 +18,7 @@ from ..activation_flag import ffn_activation_option
 from ..errors import cli_errors
 from ..profile.cli import format_table
 from ..cli_params import FiniteFloat
+from ..limits import MAX_THRESHOLD
 from .defaults import DEFAULT_TARGET_RECALL
 
 __all__ = ["main", "predictor_table"]
@@ -74,7 +75,7 @@ def predictor_table(config: dict[str, Any]) -> str:
                    "(widths follow sparsity), or sets it with --target-recall 0.")
 @click.option("--hidden", default=None, type=click.IntRange(min=1),
               help="Use this width for every layer (no search, no budget rule).")
-@click.option("--threshold", default=0.0, show_default=True, type=FiniteFloat(-1e4, 1e4),
+@click.option("--threshold", default=0.0, show_default=True, type=FiniteFloat(-MAX_THRESHOLD, MAX_THRESHOLD),
               help="sparse_threshold: a neuron is predicted active when its logit >= this.")
 @click.option("--text-field", default="text", show_default=True, help="JSON field holding the text.")
 @click.option("--activation-out", default=None, type=click.Path(path_type=Path),
