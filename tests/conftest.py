@@ -29,6 +29,24 @@ def relu_hf(tmp_path_factory, stories_hf) -> Path:
     return d
 
 
+@pytest.fixture(params=["native", "scalar"])
+def lib(request):
+    """The C kernels as built for this CPU, and the portable build without SIMD (skipped where
+    the C kernels cannot be built)."""
+    from powerinfer.runtime import kernels
+
+    try:
+        kernels.set_backend("c")
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    saved = kernels._state["lib"]
+    if request.param == "scalar":
+        kernels._state["lib"] = kernels._build(native=False)
+    yield request.param
+    kernels._state["lib"] = saved
+    kernels.set_backend("auto")
+
+
 @pytest.fixture(params=["torch", "c"])
 def backend(request):
     """Run the test with each kernel backend (c is skipped where it cannot be built)."""

@@ -29,16 +29,10 @@ PAR_MIN = _define(kernels.SOURCE.read_text(), "PAR_MIN")
 PAR_MIN_BYTES = _define(kernels.QSOURCE.read_text(), "PAR_MIN_BYTES")
 
 
-@pytest.fixture(params=["native", "scalar"])
-def threaded(request):
-    """The C backend (native or scalar build) with two OpenMP threads, one-thread runs on demand."""
-    try:
-        kernels.set_backend("c")
-    except RuntimeError as e:
-        pytest.skip(str(e))
-    saved_lib, saved_threads = kernels._state["lib"], torch.get_num_threads()
-    if request.param == "scalar":
-        kernels._state["lib"] = kernels._build(native=False)
+@pytest.fixture
+def threaded(lib):
+    """The C backend (``lib``: native or scalar build) with two OpenMP threads, one-thread runs on demand."""
+    saved_threads = torch.get_num_threads()
     torch.set_num_threads(2)
     # the kernels' own view of the team size: the threaded branches need more than one thread
     assert kernels._state["lib"].omp_get_max_threads() == 2
@@ -52,8 +46,6 @@ def threaded(request):
 
     yield one_thread
     torch.set_num_threads(saved_threads)
-    kernels._state["lib"] = saved_lib
-    kernels.set_backend("auto")
 
 
 def _tol(dtype: torch.dtype) -> float:

@@ -19,21 +19,6 @@ from powerinfer.runtime import kernels
 Q8_ACT = ("Q4_0", "Q8_0", "Q4_K", "Q6_K")  # types whose products quantize the activation
 
 
-@pytest.fixture(params=["native", "scalar"])
-def lib(request):
-    """The C kernels as built for this CPU, and the portable build without SIMD."""
-    try:
-        kernels.set_backend("c")
-    except RuntimeError as e:
-        pytest.skip(str(e))
-    saved = kernels._state["lib"]
-    if request.param == "scalar":
-        kernels._state["lib"] = kernels._build(native=False)
-    yield request.param
-    kernels._state["lib"] = saved
-    kernels.set_backend("auto")
-
-
 def make(name: str, n: int, k: int, seed: int = 0) -> QWeight:
     """An ``[n, k]`` QWeight of type ``name``: quantized from normal values (Q4_0, Q8_0, F16)
     or random bytes with sane scales (the K-quants, which gguf cannot quantize)."""

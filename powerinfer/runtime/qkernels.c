@@ -90,6 +90,23 @@ static inline __m256 dot_i8(__m256i a, __m256i b) {
     const __m256i ax = _mm256_sign_epi8(a, a), sb = _mm256_sign_epi8(b, a);
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(ax, sb), _mm256_set1_epi16(1)));
 }
+
+/* The 32 signed quants of a Q4_0 or Q8_0 block (after its fp16 scale). */
+static inline __m256i q0_quants(int qt, const uint8_t *blk) {
+    return qt == QT_Q4_0 ? q4_0_bytes(blk + 2) : _mm256_loadu_si256((const __m256i *)(blk + 2));
+}
+
+/* One Q4_0 or Q8_0 row . the q8 activation (inlined with a constant qt: one loop per type). */
+static inline float dot_q0(int qt, const uint8_t *row, const int8_t *xq, const float *xd, int64_t nb) {
+    const int64_t bb = qt == QT_Q4_0 ? 18 : 34;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * bb;
+        const __m256 s = _mm256_set1_ps(h2f(rd16(blk)) * xd[b]);
+        acc = _mm256_fmadd_ps(s, dot_i8(q0_quants(qt, blk), _mm256_loadu_si256((const __m256i *)(xq + b * QK))), acc);
+    }
+    return hsum8(acc);
+}
 #endif
 
 /* ------------------------------------------------------------------ activation quantization */
@@ -108,13 +125,7 @@ static void quantize_q8(const float *x, int64_t K, int8_t *qs, float *d) {
 /* ------------------------------------------------------------------ one row . x */
 static inline float dot_q4_0(const uint8_t *row, const int8_t *xq, const float *xd, int64_t nb) {
 #ifdef PI_AVX2
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = row + b * 18;
-        const __m256 s = _mm256_set1_ps(h2f(rd16(blk)) * xd[b]);
-        acc = _mm256_fmadd_ps(s, dot_i8(q4_0_bytes(blk + 2), _mm256_loadu_si256((const __m256i *)(xq + b * QK))), acc);
-    }
-    return hsum8(acc);
+    return dot_q0(QT_Q4_0, row, xq, xd, nb);
 #else
     float acc = 0.f;
     for (int64_t b = 0; b < nb; b++) {
@@ -130,14 +141,7 @@ static inline float dot_q4_0(const uint8_t *row, const int8_t *xq, const float *
 
 static inline float dot_q8_0(const uint8_t *row, const int8_t *xq, const float *xd, int64_t nb) {
 #ifdef PI_AVX2
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = row + b * 34;
-        const __m256 s = _mm256_set1_ps(h2f(rd16(blk)) * xd[b]);
-        acc = _mm256_fmadd_ps(s, dot_i8(_mm256_loadu_si256((const __m256i *)(blk + 2)),
-                                        _mm256_loadu_si256((const __m256i *)(xq + b * QK))), acc);
-    }
-    return hsum8(acc);
+    return dot_q0(QT_Q8_0, row, xq, xd, nb);
 #else
     float acc = 0.f;
     for (int64_t b = 0; b < nb; b++) {
@@ -248,7 +252,7 @@ static inline __attribute__((always_inline)) void tile_q8(
         for (int i = 0; i < RM; i++) {
             const uint8_t *blk = rows[i] + b * bb;
             const float dx = h2f(rd16(blk));
-            const __m256i qx = qt == QT_Q4_0 ? q4_0_bytes(blk + 2) : _mm256_loadu_si256((const __m256i *)(blk + 2));
+            const __m256i qx = q0_quants(qt, blk);
             const __m256i ax = _mm256_sign_epi8(qx, qx);
             for (int j = 0; j < RN; j++) {
                 const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(qy[j], qx)), ones);
@@ -583,7 +587,7 @@ static inline void axpy4_q(int qt, const uint8_t *const *rows, const float *c, i
         for (int i = 0; i < 4; i++) {
             const uint8_t *blk = rows[i] + b * bb;
             const __m256 sv = _mm256_set1_ps(c[i] * h2f(rd16(blk)));
-            fma_i8x32(sv, qt == QT_Q4_0 ? q4_0_bytes(blk + 2) : _mm256_loadu_si256((const __m256i *)(blk + 2)), a);
+            fma_i8x32(sv, q0_quants(qt, blk), a);
         }
         _mm256_storeu_ps(o, a[0]);
         _mm256_storeu_ps(o + 8, a[1]);
