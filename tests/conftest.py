@@ -1,4 +1,4 @@
-"""Fixtures: real inputs from ../shared and small models built on the fly."""
+"""Fixtures: real inputs from tests/data and small models built on the fly."""
 from __future__ import annotations
 
 import json

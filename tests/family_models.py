@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from helpers import STORIES, SHARED, make_tiny_llama, need
+from helpers import STORIES, TEXT, make_tiny_llama, need
 
 N_LAYER = 3
 PROSPARSE_THRESHOLD = 0.3  # ProSparse-7B ships 0.01; larger here so FATReLU differs from ReLU at this scale
@@ -62,7 +62,7 @@ def train_bpe(out_dir: Path, falcon_pre: bool, vocab_size: int = 384) -> int:
     tk.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pt.ByteLevel.alphabet(), show_progress=False)
-    text = need(SHARED / "data" / "tinystories" / "tinystories_sample.txt").read_text()
+    text = need(TEXT / "tinystories_sample.txt").read_text()
     tk.train_from_iterator([text[i:i + 2000] for i in range(0, len(text), 2000)], trainer)
     out_dir.mkdir(parents=True, exist_ok=True)
     tk.save(str(out_dir / "tokenizer.json"))

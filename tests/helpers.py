@@ -6,24 +6,26 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
-STORIES = SHARED / "models" / "stories260K"
+DATA = ROOT / "tests" / "data"  # the real files the tests read: sources, licences, sha256 in its README.md
+STORIES = DATA / "stories260K"
+TEXT = DATA / "text"
+TOKENIZERS = DATA / "tokenizers"
 
 
 def need(path: Path) -> Path:
-    """``path``, an input CI provides (the repo's assets or ``../shared``): a missing one fails the test.
+    """``path``, an input in the repository (its assets or ``tests/data``): a missing one fails the test.
 
-    A partial ``shared/`` must not turn the suite green by skipping what it cannot read;
-    truly optional extras (``llama_cpp``, ``matplotlib``) use ``pytest.importorskip`` instead.
+    A missing data file is a bug, never a reason to skip; only absent hardware (CUDA) or an
+    optional engine (``llama_cpp``) skips, through ``pytest.importorskip`` or a marker.
     """
     if not path.exists():
-        pytest.fail(f"{path} is missing: this input is part of the test data CI provides "
-                    f"(see {SHARED / 'README.md'}); restore it rather than skip the test", pytrace=False)
+        pytest.fail(f"{path} is missing: it is part of the repository's test data "
+                    f"(see {DATA / 'README.md'}); restore it rather than skip the test", pytrace=False)
     return path
 
 
 def story_text(n_chars: int = 2000) -> str:
-    return need(SHARED / "data" / "tinystories" / "tinystories_sample.txt").read_text()[:n_chars]
+    return need(TEXT / "tinystories_sample.txt").read_text()[:n_chars]
 
 
 def make_tiny_llama(out_dir: Path, n_layer: int = 3, hidden_act: str = "relu", n_embd: int = 32,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SHARED, need
+from helpers import TEXT, TOKENIZERS, need
 from powerinfer.convert.writer import convert
 from powerinfer.errors import PowerInferError
 from powerinfer.formats.gguf_file import open_gguf
@@ -36,7 +36,7 @@ CONVERSATION = [
 def hf_llama_tokenizer():
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(need(SHARED / "tokenizers" / "llama2")))
+    return AutoTokenizer.from_pretrained(str(need(TOKENIZERS / "llama2")))
 
 
 @pytest.mark.parametrize("name", sorted(TEMPLATES))
@@ -220,8 +220,8 @@ def test_text_stream_pieces_add_up_to_the_whole_decode(vocab):
     split across tokens included, over a text long enough for the window to slide many times."""
     from powerinfer.runtime.tokenizer import TextStream
 
-    tok = GGUFTokenizer(open_gguf(need(SHARED / "tokenizers" / "gguf-vocab" / vocab)))
-    text = (Path(need(SHARED / "data" / "tinystories" / "tinystories_val.txt")).read_text()[:3000]
+    tok = GGUFTokenizer(open_gguf(need(TOKENIZERS / "gguf-vocab" / vocab)))
+    text = (Path(need(TEXT / "tinystories_val.txt")).read_text()[:3000]
             + " héllo wörld 😀🦙 中文字符 ünïcödé\n\tend" * 8)
     ids = tok.encode(text)
     for n_prompt in (0, 1, 5):

@@ -13,10 +13,10 @@ from powerinfer.data import (MIN_SPLIT_TOKENS, calibration_batches, count_docume
 from powerinfer.errors import PowerInferError
 from powerinfer.hf import load_hf_tokenizer
 
-from helpers import ROOT, SHARED, need, story_text
+from helpers import ROOT, STORIES, TEXT, need, story_text
 
 BUNDLED = ROOT / "powerinfer" / "assets" / "stories260K-relu"
-WIKITEXT = SHARED / "data" / "wikitext-2-raw" / "wiki.test.raw"
+WIKITEXT = TEXT / "wiki.test.raw"
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def test_non_utf8_file_is_refused_with_path_and_offset(tmp_path, monkeypatch):
 def test_binary_model_files_give_one_line_errors(tmp_path):
     from powerinfer.profile.cli import main as profile_main
 
-    for f in (need(BUNDLED / "model.safetensors"), need(SHARED / "models" / "stories260K" / "stories260K.ggml-org.gguf")):
+    for f in (need(BUNDLED / "model.safetensors"), need(STORIES / "stories260K.ggml-org.gguf")):
         with pytest.raises(PowerInferError, match="not UTF-8 text") as e:
             calibration_batches(f, None, 10, 8, 1)
         assert str(e.value).startswith(str(f)) and "\n" not in str(e.value)

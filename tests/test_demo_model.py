@@ -20,7 +20,7 @@ from powerinfer.runtime.model import Transformer
 from powerinfer.runtime.tokenizer import GGUFTokenizer
 from powerinfer.train_predictor.stage import train_predictor_dir
 
-from helpers import ROOT, SHARED, STORIES, need
+from helpers import ROOT, STORIES, TEXT, need
 
 MODEL, DATA = powerinfer.DEMO_MODEL, powerinfer.DEMO_CALIBRATION
 
@@ -44,7 +44,7 @@ def test_demo_model_is_a_relu_llama_and_its_report_is_what_the_weights_give():
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["hidden_act"] == "relu"
     rep = json.loads((MODEL / "relufy_report.json").read_text())
     recipe = _relufy_recipe()
-    text = need(SHARED / "data" / "tinystories" / "tinystories_val.txt").read_text(encoding="utf-8")
+    text = need(TEXT / "tinystories_val.txt").read_text(encoding="utf-8")
     _, held = recipe.split_train_heldout(recipe.split_chunks(text), rep["hyperparameters"]["heldout_frac"])
     tok = load_hf_tokenizer(MODEL)
     seqs = recipe.pack(recipe.token_stream(tok, held, tok.bos_token_id), rep["data_protocol"]["seq_len"])

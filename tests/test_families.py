@@ -29,7 +29,7 @@ from powerinfer.runtime.model import Transformer
 from powerinfer.runtime.tokenizer import GGUFTokenizer
 
 from family_models import BUILDERS, N_LAYER, PROSPARSE_THRESHOLD, SLIDING_WINDOW, make_falcon, make_opt
-from helpers import SHARED, need, story_text
+from helpers import TEXT, need, story_text
 
 ARCH = {"relu_llama": "llama", "prosparse": "llama", "bamboo": "bamboo", "falcon": "falcon",
         "falcon_legacy": "falcon", "opt": "opt"}
@@ -307,7 +307,7 @@ def test_profile_train_convert_run_with_no_hand_edits(fam, tmp_path):
     from powerinfer.train_predictor.stage import train_predictor_dir
     from powerinfer.train_predictor.train import TrainSettings
 
-    data = need(SHARED / "data" / "tinystories" / "tinystories_val.txt")
+    data = need(TEXT / "tinystories_val.txt")
     stats = profile_model_dir(fam.dir, data, tmp_path / "act", max_tokens=128, seq_len=64, batch_size=2)
     assert sorted(p.name for p in (tmp_path / "act").glob("activation_*.pt")) == \
         sorted(f"activation_{i}.pt" for i in range(N_LAYER))

@@ -18,7 +18,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from helpers import ROOT, SHARED, make_tiny_llama, need, random_predictors
+from helpers import ROOT, TEXT, make_tiny_llama, need, random_predictors
 from powerinfer.convert.cli import main as convert_main
 from powerinfer.errors import PowerInferError
 from powerinfer.formats import _atomic
@@ -41,7 +41,7 @@ def _fails(cmd, args, *needles, code=1):
 
 @pytest.fixture(scope="module")
 def text():
-    return need(SHARED / "data" / "tinystories" / "tinystories_sample.txt")
+    return need(TEXT / "tinystories_sample.txt")
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from powerinfer.formats.predictor import LayerPredictor, save_predictor_dir
 from powerinfer.runtime.model import Transformer
 from powerinfer.runtime.tokenizer import GGUFTokenizer
 
-from helpers import SHARED, STORIES, need
+from helpers import STORIES, TEXT, need
 
 N_CTX, N_CHUNKS = 256, 4
 FINAL = re.compile(r"^Final estimate: PPL = (\d+\.\d{4}) \+/- (\d+\.\d{5})$", re.M)
@@ -33,7 +33,7 @@ FINAL = re.compile(r"^Final estimate: PPL = (\d+\.\d{4}) \+/- (\d+\.\d{5})$", re
 @pytest.fixture(scope="module")
 def text() -> str:
     """~14.5K tokens of real TinyStories validation text (more than 2 x 4 chunks of 256)."""
-    return need(SHARED / "data" / "tinystories" / "tinystories_val.txt").read_text()[:30000]
+    return need(TEXT / "tinystories_val.txt").read_text()[:30000]
 
 
 @pytest.fixture(scope="module")

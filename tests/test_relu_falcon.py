@@ -20,7 +20,7 @@ from powerinfer.hf import load_hf_model, resolve_model
 from powerinfer.runtime.cli import main as run_main
 
 from family_models import N_LAYER, make_falcon
-from helpers import SHARED, need, random_predictors
+from helpers import TEXT, need, random_predictors
 
 # written for this test: the shape of a legacy RW modelling file, with a trap if it is ever run
 MODELLING_RW = '''
@@ -118,7 +118,7 @@ def test_flag_on_every_stage_is_recorded_in_every_output(rw_base, tmp_path):
     from powerinfer.profile.cli import main as profile_main
     from powerinfer.train_predictor.cli import main as train_main
 
-    data = str(need(SHARED / "data" / "tinystories" / "tinystories_val.txt"))
+    data = str(need(TEXT / "tinystories_val.txt"))
     d = str(rw_base)
     act, pred, out = tmp_path / "act", tmp_path / "pred", tmp_path / "m.powerinfer.gguf"
     r = CliRunner().invoke(profile_main, [d, "--data", data, "--out", str(act), "--max-tokens", "128",

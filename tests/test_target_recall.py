@@ -17,7 +17,7 @@ from powerinfer.train_predictor.cli import main as train_main
 from powerinfer.train_predictor.search import CAPPED, REACHED, STALLED, search_width, width_ladder
 from powerinfer.train_predictor.train import TrainSettings, hopeless
 
-from helpers import SHARED, make_tiny_llama, need
+from helpers import TEXT, make_tiny_llama, need
 
 N_EMBD, N_FF, N_LAYER = 32, 48, 2
 TARGET = 0.9
@@ -29,7 +29,7 @@ def searched(tmp_path_factory):
     """One run with --target-recall 0.9 on a tiny random ReLU Llama (8192 training, 2048 held-out tokens)."""
     d = tmp_path_factory.mktemp("search")
     model = make_tiny_llama(d / "m", n_layer=N_LAYER, n_embd=N_EMBD, n_ff=N_FF, seed=0)
-    data = need(SHARED / "data" / "tinystories" / "tinystories_val.txt")
+    data = need(TEXT / "tinystories_val.txt")
     args = [str(model), "--data", str(data), "--out", str(d / "pred"), "--work-dir", str(d / "work"),
             "--max-tokens", "8192", "--heldout-tokens", "2048", "--seq-len", "64", "--batch-size", "256",
             "--epochs", "10", "--budget", "0.25", "--threads", "1", "--target-recall", str(TARGET)]

@@ -1,7 +1,7 @@
 """Real tokenizers: our vocabulary metadata equals upstream's vocab GGUFs, and pi-run's
 tokenizer reproduces the llama.cpp / PowerInfer test vectors.
 
-Inputs (see /work/shared/tokenizers/*/PROVENANCE.txt): Meta's Llama 2 ``tokenizer.model``,
+Inputs (see tests/data/README.md): Meta's Llama 2 ``tokenizer.model``,
 TII's Falcon ``tokenizer.json``, upstream PowerInfer's ``ggml-vocab-{llama,falcon}.gguf``,
 the ``.inp``/``.out`` vectors (46 cases each, from the newer llama.cpp under
 ``smallthinker/``; ids without BOS) and the ``k_tests`` of PowerInfer's own
@@ -28,9 +28,8 @@ from powerinfer.formats.gguf_file import open_gguf
 from powerinfer.runtime import tokenizer as tokenizer_mod
 from powerinfer.runtime.tokenizer import GGUFTokenizer
 
-from helpers import SHARED
+from helpers import TOKENIZERS as TOK
 
-TOK = SHARED / "tokenizers"
 VOCAB = TOK / "gguf-vocab"
 SEP = "\n__ggml_vocab_test__\n"
 

@@ -21,7 +21,7 @@ from powerinfer.train_predictor.sizing import predictor_hidden_sizes, predictor_
 from powerinfer.train_predictor.stage import train_predictor_dir
 from powerinfer.train_predictor.train import (Predictor, TrainSettings, deja_vu_loss, heldout_metrics)
 
-from helpers import SHARED, make_tiny_llama, need, story_text
+from helpers import TEXT, make_tiny_llama, need, story_text
 
 N_EMBD, N_FF, N_LAYER = 32, 48, 2
 
@@ -33,7 +33,7 @@ def tiny_relu(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def corpus():
-    return need(SHARED / "data" / "tinystories" / "tinystories_val.txt")
+    return need(TEXT / "tinystories_val.txt")
 
 
 @pytest.fixture(scope="module")
