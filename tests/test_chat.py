@@ -3,11 +3,9 @@ prompts, KV-cache reuse between turns, and pi-run -cnv / -i."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -190,15 +188,50 @@ def test_interactive_appends_lines_without_re_evaluating(stories, capsys):
                                                       + tok.encode(" The dog", continuation=True))
 
 
-def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(stories):
-    _, model, tok = stories
-    timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
-    timer.start()
-    log = chat_loop(Session(model, tok), template_for(tok), SamplerSettings(temp=0.0), -1,
-                    _lines("Tell me a very long story", "And another"), sys.stdout, sys.stderr, ignore_eos=True)
-    timer.cancel()
-    assert len(log.turns) == 2
-    assert log.turns[0].stop == "interrupted" and 0 < log.turns[0].n_gen < model.n_ctx
+# The chat runs in a child process and Ctrl-C goes to the child, never to the test runner; it is
+# sent once the first reply has started printing (an event, not a timer).
+_CTRL_C_CHILD = r"""
+import json, sys
+from powerinfer.formats.gguf_file import open_gguf
+from powerinfer.runtime.chat import template_for
+from powerinfer.runtime.generate import SamplerSettings
+from powerinfer.runtime.interactive import chat_loop
+from powerinfer.runtime.model import Transformer
+from powerinfer.runtime.session import Session
+from powerinfer.runtime.tokenizer import GGUFTokenizer
+
+g = open_gguf(sys.argv[1])
+model, tok = Transformer(g), GGUFTokenizer(g)
+lines = iter(["Tell me a very long story", "And another"])
+
+def read(prompt):
+    try:
+        return next(lines)
+    except StopIteration:
+        raise EOFError from None
+
+log = chat_loop(Session(model, tok), template_for(tok), SamplerSettings(temp=0.0), -1, read, sys.stdout,
+                sys.stderr, ignore_eos=True)
+with open(sys.argv[2], "w") as f:
+    json.dump({"n_ctx": model.n_ctx, "turns": [[t.stop, t.n_gen] for t in log.turns]}, f)
+"""
+
+
+def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(stories, tmp_path):
+    path = stories[0]
+    proc = subprocess.Popen([sys.executable, "-u", "-c", _CTRL_C_CHILD, str(path), str(tmp_path / "log.json")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout.read(1)  # the first reply is printing: only replies write to stdout
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err.decode()
+    log = json.loads((tmp_path / "log.json").read_text())
+    (stop1, n1), (stop2, n2) = log["turns"]
+    assert stop1 == "interrupted" and 0 < n1 < log["n_ctx"]
+    assert stop2 != "interrupted" and n2 > 0  # the chat went on to the second line
 
 
 def test_pi_run_cnv_in_a_terminal_session(stories):
