@@ -1,10 +1,11 @@
 """pi-server, started on a free port on 127.0.0.1 and called with the real ``openai`` client:
 completion, chat, streaming, the same greedy text as pi-run (sparse and dense), 16 concurrent
-streams, a client killed mid-stream, seeds, stop strings, API keys, and 4xx errors."""
+streams, a client killed mid-stream, a full queue (503), Ctrl-C, seeds, stop strings, API keys, and 4xx errors."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -277,14 +278,6 @@ def test_api_key_is_required_when_set(dense_server):
     assert [m.id for m in models] == ["m.powerinfer.gguf"]
 
 
-def test_non_streamed_request_is_cancelled_when_its_client_leaves(sparse_server):
-    before = sparse_server.health()
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(sparse_server.url + "/v1/completions", timeout=0.6,
-                   json={"prompt": PROMPT, "max_tokens": 500, "temperature": 0, "ignore_eos": True})
-    _assert_one_more_cancelled(sparse_server, before)
-
-
 def test_tokenize_detokenize_and_aliases(sparse_server):
     url = sparse_server.url
     ids = httpx.post(url + "/tokenize", json={"content": "Once upon a time"}).json()["tokens"]
@@ -321,26 +314,71 @@ def test_server_refuses_a_busy_port_before_loading_the_model(tmp_path, sparse_se
     assert "cannot listen on" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_ctrl_c_ends_running_streams_at_once(sparse_gguf):
-    s = Server(sparse_gguf)
-    got: list[str] = []
+@pytest.fixture(scope="module")
+def long_gguf(tmp_path_factory, relu_hf):
+    """The demo weights with a 4096-token context: a 4000-token request cannot end on its own
+    while a test waits for the server to report it running (on any machine)."""
+    d = tmp_path_factory.mktemp("long") / "m"
+    shutil.copytree(relu_hf, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["max_position_embeddings"] = 4096
+    (d / "config.json").write_text(json.dumps(cfg))
+    return convert(d, d.parent / "long.gguf", outtype="f32", progress=False)
 
-    def client():
-        body = {"prompt": PROMPT, "max_tokens": 500, "temperature": 0, "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
-            got.extend(r.iter_lines())
 
-    threads = [threading.Thread(target=client) for _ in range(3)]  # one runs, two wait
-    for t in threads:
-        t.start()
-    time.sleep(1.0)
-    t0 = time.time()
-    s.proc.send_signal(signal.SIGINT)
-    rc = s.proc.wait(30)
-    for t in threads:
-        t.join(30)
-    assert time.time() - t0 < 5  # not the rest of three 500-token generations
-    assert rc == 0
-    errors = [ln for ln in got if "shutting down" in ln]
-    assert len(errors) == 3, got[-5:]
-    assert "Traceback" not in s.proc.stdout.read()
+def _wait_for(server: Server, what, **want) -> dict:
+    """Poll /health until its counters equal ``want`` (an event, not a sleep of a guessed length)."""
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        h = server.health()
+        if all(h[k] == v for k, v in want.items()):
+            return h
+        time.sleep(0.02)
+    raise AssertionError(f"the server never reported {what} ({want}): {h}")
+
+
+def test_cancelled_client_full_queue_and_ctrl_c(long_gguf):
+    """One server (--max-queue 2), in order: a non-streamed request whose client leaves while it
+    runs is cancelled; with one request running and two queued a fourth gets 503 queue_full;
+    Ctrl-C (to the server process) then ends the running and the queued streams at once."""
+    s = Server(long_gguf, "--max-queue", 2)
+    body = {"prompt": PROMPT, "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
+    try:
+        # a non-streamed request: the client leaves once the server reports it running
+        before = s.health()
+        raw = json.dumps(body).encode()
+        with socket.create_connection(("127.0.0.1", s.port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw))
+            _wait_for(s, "the request running", requests_processing=1, requests_waiting=0)
+        _assert_one_more_cancelled(s, before)
+
+        got: dict[int, list[str]] = {i: [] for i in range(3)}
+
+        def client(i: int) -> None:
+            with httpx.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+                got[i].extend(r.iter_lines())
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+        threads[0].start()
+        _wait_for(s, "one request running", requests_processing=1, requests_waiting=0)
+        threads[1].start()
+        _wait_for(s, "one request queued", requests_processing=1, requests_waiting=1)
+        threads[2].start()
+        _wait_for(s, "two requests queued", requests_processing=1, requests_waiting=2)
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "queue_full" and "--max-queue 2" in r.json()["error"]["message"]
+
+        s.proc.send_signal(signal.SIGINT)
+        rc = s.proc.wait(60)
+        for t in threads:
+            t.join(60)
+        assert rc == 0
+        for i in range(3):  # each stream ends with the shutdown error, the queued ones without any text
+            assert any("shutting down" in ln for ln in got[i]), got[i][-3:]
+        texts = [[ln for ln in got[i] if ln.startswith("data: ") and '"text"' in ln] for i in range(3)]
+        assert 0 < len(texts[0]) < 4000 and texts[1] == texts[2] == []  # not the rest of three generations
+        assert "Traceback" not in s.proc.stdout.read()
+    finally:
+        s.stop()
