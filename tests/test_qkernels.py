@@ -94,6 +94,21 @@ def test_linear_equals_reference(lib, name, T):
 
 
 @pytest.mark.parametrize("name", TYPES)
+def test_long_prompt_products_cross_tile_boundaries(lib, name):
+    """More rows than one dequantized tile and not a multiple of it (two full tiles of
+    TILE_ROWS, then 76 rows), on the long-prompt path (more than QGEMM_MAX_T tokens): ``linear``
+    ([N, K] weights) and ``matmul`` ([F, D] down_t) against the float64 reference."""
+    n, T = 2 * kernels.TILE_ROWS + 76, kernels.QGEMM_MAX_T + 1
+    w = make(name, n, 256, seed=11)
+    x = torch.randn(T, 256, generator=torch.Generator().manual_seed(12))
+    y = kernels.linear(x, w)
+    assert y.shape == (T, n) and close(y, reference(w, x))
+    assert y[:, -76:].abs().min() > 0  # the partial tile was computed (a product of random rows is never 0)
+    h = torch.randn(T, n, generator=torch.Generator().manual_seed(13))
+    assert close(kernels.matmul(h, w), h.double() @ w.dequantize().double())
+
+
+@pytest.mark.parametrize("name", TYPES)
 def test_sparse_rows_equal_reference_and_skip_up_rows_of_silent_gates(lib, name):
     gate, up = make(name, 300, 256, seed=2), make(name, 300, 256, seed=3)
     x = torch.randn(256, generator=torch.Generator().manual_seed(4))
@@ -143,7 +158,7 @@ def test_torch_backend_computes_on_dequantized_weights():
         assert close(kernels.linear(x, w), reference(w, x))
         idx = torch.tensor([1, 5])
         g, u = kernels.rows_dot(x[0], idx, w, w)
-        assert close(g, reference(w, x[:1])[0, idx])
+        assert close(g, reference(w, x[:1])[0, idx]) and torch.equal(u, g)  # the same rows of the same weight
         assert close(kernels.rows_axpy(idx, w, torch.tensor([1.0, 2.0])),
                      torch.tensor([1.0, 2.0]).double() @ w.dequantize().double()[idx])
     finally:
