@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from helpers import ROOT, TEXT, make_tiny_llama, need, random_predictors
 from powerinfer.convert.cli import main as convert_main
+from powerinfer.convert.vocab import MAX_CHAT_TEMPLATE
 from powerinfer.errors import PowerInferError
 from powerinfer.formats import _atomic
 from powerinfer.formats.activation import load_activation_dir, save_activation_dir
@@ -367,7 +368,7 @@ def test_convert_without_a_chat_template_writes_none(tmp_path, relu_hf):
 
 
 @pytest.mark.parametrize("template,needle", [(42, "must be a string"), ([{"name": "rag", "template": "T"}], "'default'"),
-                                             ("x" * (1 << 20 + 1), "longer than")])
+                                             ("x" * (MAX_CHAT_TEMPLATE + 1), "longer than")])
 def test_convert_refuses_a_bad_chat_template(tmp_path, relu_hf, template, needle):
     d = _with_template(relu_hf, tmp_path / "m", template)
     _fails(convert_main, [d, "--outfile", tmp_path / "o.gguf"], d / "tokenizer_config.json", "chat_template", needle)

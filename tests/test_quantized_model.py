@@ -22,6 +22,15 @@ from helpers import all_active_predictors, teacher_forced
 IDS = [1, 403, 407, 261, 378, 432, 383, 286, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310, 311]
 
 
+@pytest.fixture
+def c_kernels():
+    """The C kernels for one test; the backend in effect before is restored after it."""
+    saved = dict(kernels._state)
+    kernels.set_backend("c")
+    yield
+    kernels._state.update(saved)
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, relu_hf):
     """stories260K-relu (real weights): f32 dense, f32 PWRI with every neuron predicted active,
@@ -65,8 +74,7 @@ def test_quantized_logits_track_f32_on_real_weights(files, qtype, max_diff, min_
     assert torch.equal(got.argmax(-1)[sure], ref.argmax(-1)[sure])
 
 
-def test_quantized_matrices_stay_in_the_memory_map(files):
-    kernels.set_backend("c")
+def test_quantized_matrices_stay_in_the_memory_map(c_kernels, files):
     g = open_gguf(files["q4_0-sparse"])
     model = Transformer(g)
     rows = [model.tok_embd]  # zero-copy views of the map
@@ -99,9 +107,8 @@ def test_quantized_tensor_with_partial_blocks_is_refused_naming_it(files, tmp_pa
         Transformer(open_gguf(bad))
 
 
-def test_nan_block_scale_is_refused_naming_the_tensor(files, tmp_path):
+def test_nan_block_scale_is_refused_naming_the_tensor(c_kernels, files, tmp_path):
     """One NaN fp16 scale in one Q4_0 block would turn every token into garbage: refused at load."""
-    kernels.set_backend("c")
     g = open_gguf(files["q4_0"])
     t = g.tensors["blk.2.ffn_up.weight"]
     raw = bytearray(files["q4_0"].read_bytes())
@@ -113,8 +120,7 @@ def test_nan_block_scale_is_refused_naming_the_tensor(files, tmp_path):
         Transformer(open_gguf(bad))
 
 
-def test_token_ids_outside_the_vocabulary_are_refused(files):
-    kernels.set_backend("c")
+def test_token_ids_outside_the_vocabulary_are_refused(c_kernels, files):
     model = Transformer(open_gguf(files["q4_0"]))
     with pytest.raises(PowerInferError, match="outside the vocabulary"):
         model.forward(torch.tensor([1, 512]), 0)
