@@ -26,6 +26,8 @@ def make(name: str, n: int, k: int, seed: int = 0) -> QWeight:
     rng = np.random.default_rng(seed)
     if name == "F16":
         raw = rng.standard_normal((n, k)).astype(np.float16).view(np.uint8)
+    elif name == "BF16":  # fp32 values cut to their top 16 bits
+        raw = (rng.standard_normal((n, k)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
     elif name in ("Q4_0", "Q8_0"):
         raw = quants.quantize(rng.standard_normal((n, k)).astype(np.float32), QT[name])
     else:
@@ -37,12 +39,13 @@ def make(name: str, n: int, k: int, seed: int = 0) -> QWeight:
 
 
 def poison(w: QWeight, rows: torch.Tensor) -> QWeight:
-    """A copy of ``w`` whose ``rows`` read as NaN (every fp16 scale, or every F16 value, set to
-    NaN): a kernel that reads one of them returns NaN, one that skips them cannot tell."""
+    """A copy of ``w`` whose ``rows`` read as NaN (every fp16 scale, or every F16/BF16 value, set
+    to NaN): a kernel that reads one of them returns NaN, one that skips them cannot tell."""
     raw = w.raw.clone()
     blocks = raw.view(w.n_rows, -1, w.btype.nbytes)
+    nan = [0xC0, 0x7F] if w.btype.name == "BF16" else [0x00, 0x7E]  # NaN, little-endian
     for off in QWeight._SCALES.get(w.btype.name, (0,)):
-        blocks[rows, :, off:off + 2] = torch.tensor([0x00, 0x7E], dtype=torch.uint8)  # fp16 NaN, little-endian
+        blocks[rows, :, off:off + 2] = torch.tensor(nan, dtype=torch.uint8)
     return QWeight(raw, w.btype, w.n_rows, w.n_cols)
 
 
@@ -66,7 +69,7 @@ def close(got: torch.Tensor, want: torch.Tensor, rel: float = 2e-6) -> bool:
     return (got.double() - want).abs().max().item() <= rel * scale * (want.shape[-1] ** 0.5 if want.dim() else 1)
 
 
-TYPES = ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "F16"]
+TYPES = ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "F16", "BF16"]
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -138,7 +141,7 @@ def test_sparse_axpy_equals_reference_and_skips_zero_coefficients(lib, name):
     assert torch.equal(kernels.rows_axpy(idx[:0], down_t, coef[:0]), torch.zeros(512))
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "F16"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "F16", "BF16"])
 def test_matmul_and_transposed_weights(lib, name):
     w = make(name, 96, 64, seed=6)  # stored [F=96, D=64] like ffn_down_t
     h = torch.randn(5, 96, generator=torch.Generator().manual_seed(7))

@@ -39,8 +39,9 @@ QT = gguf.GGMLQuantizationType
 from .type_names import DEFAULT_PREDICTOR_TYPE, OUTTYPES, PREDICTOR_TYPES  # noqa: E402  (the CLIs' names)
 OUTPUT_TYPE = "q8_0"  # output.weight in quantized files
 
-GGML_TYPES = {"f32": QT.F32, "f16": QT.F16, "q4_0": QT.Q4_0, "q8_0": QT.Q8_0}
+GGML_TYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q4_0": QT.Q4_0, "q8_0": QT.Q8_0}
 FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+              "bf16": gguf.LlamaFileType.MOSTLY_BF16,
               "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
 UPSTREAM_Q8_0_SPARSE = (
     "q8_0 output: upstream PowerInfer's CPU sparse kernel reads ffn_down_t only as f16/Q4_0 (ggml.c, "
@@ -56,7 +57,7 @@ def _wanted(name: str, shape: tuple[int, ...], outtype: str, predictor_type: str
     if len(shape) != 2:
         return "f32"
     if is_predictor(name):
-        return predictor_type or (outtype if outtype in ("f16", "f32") else DEFAULT_PREDICTOR_TYPE)
+        return predictor_type or (outtype if outtype in ("f16", "bf16", "f32") else DEFAULT_PREDICTOR_TYPE)
     if name == "output.weight" and outtype in WRITE_TYPES:
         return OUTPUT_TYPE
     return outtype
@@ -116,7 +117,7 @@ class Encoded:
 def encode(arr: Any, qtype: QT, tensor: str, chunk_values: int = ggml.CHUNK_VALUES) -> Encoded:
     """``arr`` (torch order, any float dtype; anything with ``shape``, ``ndim``, ``reshape``
     and row slicing, such as a memory map, is read a chunk of rows at a time) in ``qtype``
-    (F32, F16, Q4_0 or Q8_0). Quantizing raises PowerInferError naming ``tensor`` and the row
+    (F32, F16, BF16, Q4_0 or Q8_0). Quantizing raises PowerInferError naming ``tensor`` and the row
     for NaN or infinite values (at write time)."""
     shape = tuple(arr.shape)
     rows = arr.reshape(1, -1) if arr.ndim < 2 else arr.reshape(-1, shape[-1])
@@ -125,6 +126,9 @@ def encode(arr: Any, qtype: QT, tensor: str, chunk_values: int = ggml.CHUNK_VALU
     if name in WRITE_TYPES:
         def convert(x: np.ndarray, s: int) -> np.ndarray:
             return ggml.quantize(x, name, tensor, first_row=s)
+    elif qtype == QT.BF16:  # fp32 rounded to nearest even on the top 16 bits (gguf's reference)
+        def convert(x: np.ndarray, s: int) -> np.ndarray:
+            return gguf.quants.quantize(np.asarray(x, dtype=np.float32), QT.BF16)
     else:
         dt = {QT.F32: np.float32, QT.F16: np.float16}[qtype]
 

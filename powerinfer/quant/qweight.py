@@ -25,7 +25,8 @@ from gguf import quants
 from .types import KERNEL_TYPES, BlockType, _bt
 
 F16 = BlockType("F16", _bt("F16").ggml, 1, 2)
-MAPPED_TYPES: dict[str, BlockType] = {**KERNEL_TYPES, "F16": F16}
+BF16 = BlockType("BF16", _bt("BF16").ggml, 1, 2)
+MAPPED_TYPES: dict[str, BlockType] = {**KERNEL_TYPES, "F16": F16, "BF16": BF16}
 
 
 @dataclass(eq=False)
@@ -81,15 +82,20 @@ class QWeight:
     _SCALES = {"Q4_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}  # byte offsets of fp16 scales
 
     def first_nonfinite_row(self, rows_per_chunk: int = 4096) -> int | None:
-        """The first stored row holding a NaN/inf fp16 block scale (every value for F16), or None.
+        """The first stored row holding a NaN/inf fp16 block scale (every value for F16/BF16), or None.
 
         Reads the scales only (2-4 bytes per block), ``rows_per_chunk`` rows at a time.
         """
         raw = self._rows_raw()
         for r0 in range(0, self.n_rows, rows_per_chunk):
             part = raw[r0:r0 + rows_per_chunk]
-            if self.btype is F16:
+            if self.btype in (F16, BF16):
                 halves = part.view(np.uint16)
+                exp = 0x7C00 if self.btype is F16 else 0x7F80
+                bad = ((halves & exp) == exp).any(axis=1)
+                if bad.any():
+                    return r0 + int(np.argmax(bad))
+                continue
             else:
                 blocks = part.reshape(part.shape[0], -1, self.btype.nbytes)
                 halves = np.concatenate([blocks[:, :, o:o + 2].copy().view(np.uint16)
@@ -156,6 +162,8 @@ class QWeight:
         arr = arr if rows is None else arr[rows.numpy() if isinstance(rows, torch.Tensor) else rows]
         if self.btype is F16:
             out = arr.view(np.float16).astype(np.float32)
+        elif self.btype is BF16:
+            out = (arr.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
         else:
             out = quants.dequantize(arr, self.btype.ggml)
         return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).to(dtype)

@@ -57,7 +57,7 @@ from ..quant.qweight import QWeight
 SOURCE = Path(__file__).with_name("kernels.c")
 QSOURCE = Path(__file__).with_name("qkernels.c")
 _DT = {torch.float32: 0, torch.bfloat16: 1}
-_QT = {"F16": 2, "Q4_0": 10, "Q8_0": 11, "Q4_K": 12, "Q6_K": 13}  # qkernels.c type codes
+_QT = {"F16": 2, "BF16": 30, "Q4_0": 10, "Q8_0": 11, "Q4_K": 12, "Q6_K": 13}  # qkernels.c type codes
 QGEMM_MAX_T = 64  # up to this many tokens a row-layout product runs in the C kernel, above it tiles + torch
 TILE_ROWS = 512  # rows dequantized at a time for prompt products
 Q8_ACT = ("Q4_0", "Q8_0", "Q4_K", "Q6_K")  # types whose products round the activation to 8-bit blocks

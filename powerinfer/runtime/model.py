@@ -258,9 +258,10 @@ def build_layer(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype, dense: bo
 class Transformer:
     """A GGUF model ready to run. ``dense=True`` computes every FFN neuron even in a PWRI file.
 
-    A quantized file's matrices stay quantized in the memory map when the C kernels are in
-    use (``quantized`` is True then); with the torch backend they are dequantized to
-    ``dtype`` at load. ``n_ctx``: the context length in tokens (KV cache and RoPE tables),
+    With the C kernels in use every matrix stays in the file's type (block-quantized, f16,
+    bf16; ``quantized`` is True for a block-quantized file), in the memory map or in one
+    packed copy; a matrix already in ``dtype`` (f32, or bf16 with bf16 compute) is a view of
+    the map. With the torch backend they are converted to ``dtype`` at load. ``n_ctx``: the context length in tokens (KV cache and RoPE tables),
     cut to the model's; None: the model's, but at most :data:`DEFAULT_CTX` (a warning gives
     the KV-cache size then). Raises PowerInferError when the file's tensors do not match its metadata.
     """
@@ -273,7 +274,10 @@ class Transformer:
         self.dense = dense or not a.sparse
         from . import kernels
 
-        self.quantized = mapped = is_quantized(g) and kernels.backend() == "c"
+        # With the C kernels every matrix is computed on in the file's own bytes (block-quantized,
+        # f16 or bf16: no f32 copy); the torch backend dequantizes to ``dtype`` at load.
+        mapped = kernels.backend() == "c"
+        self.quantized = is_quantized(g) and mapped
         self.tok_embd = load_matrix(g, "token_embd.weight", dtype, mapped)  # [V, D]
         if self.tok_embd.shape != (a.n_vocab or self.tok_embd.shape[0], a.n_embd):
             raise PowerInferError(f"{g.path}: token_embd shape {tuple(self.tok_embd.shape)} does not match n_embd {a.n_embd}")

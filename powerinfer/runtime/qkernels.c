@@ -1,7 +1,8 @@
 /* Decode and prompt kernels on GGML block-quantized weights, read in place from the file's map.
  *
  * Built together with kernels.c (same flags, same OpenMP runtime). Weight types (`qt`):
- *   QT_F16  2   IEEE half rows (predictors, f16 matrices in a mixed file)
+ *   QT_F16  2   IEEE half rows (f16 files: every matrix; predictors of quantized files)
+ *   QT_BF16 30  bfloat16 rows (bf16 files on CPUs without bf16 dot products)
  *   QT_Q4_0 10  32 values in 18 bytes: half d, 16 bytes of nibbles (value j: low nibble of
  *               byte j, value j+16: high nibble), value = d * (q - 8)
  *   QT_Q8_0 11  32 values in 34 bytes: half d, 32 int8, value = d * q
@@ -12,7 +13,8 @@
  * per product to 8-bit blocks of 32 (scale amax/127, round to nearest even; the scale kept
  * in fp32; K-quants also take the sums of each 16 values), each block or sub-block product
  * is an exact integer sum scaled by the block scales, and block results are summed in fp32.
- * F16 rows are converted to fp32 and dotted with the fp32 activation.
+ * F16 rows are converted to fp32 in registers (F16C) and BF16 rows by a 16-bit shift, then
+ * dotted with the fp32 activation, so a 16-bit file is read at 2 bytes a weight.
  *
  * Sparse FFN rows: pi_q_dot_rows computes the gate row of each active neuron first and
  * reads its up row only when the gate passes `gmin` (a ReLU-family neuron whose gate does
@@ -32,7 +34,7 @@
 #include <immintrin.h>
 #endif
 
-enum { QT_F16 = 2, QT_Q4_0 = 10, QT_Q8_0 = 11, QT_Q4_K = 12, QT_Q6_K = 13 };
+enum { QT_F16 = 2, QT_BF16 = 30, QT_Q4_0 = 10, QT_Q8_0 = 11, QT_Q4_K = 12, QT_Q6_K = 13 };
 #define QK 32
 #define QKK 256
 #define PAR_MIN_BYTES (1 << 17) /* below this many weight bytes a call runs on the calling thread */
@@ -55,10 +57,18 @@ static inline float h2f(uint16_t h) {
 
 static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 
-static int64_t block_values(int qt) { return qt == QT_F16 ? 1 : (qt == QT_Q4_K || qt == QT_Q6_K) ? QKK : QK; }
+static inline float b2f(uint16_t b) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)b << 16;
+    return v.f;
+}
+static inline int is_16bit(int qt) { return qt == QT_F16 || qt == QT_BF16; }
+
+static int64_t block_values(int qt) { return is_16bit(qt) ? 1 : (qt == QT_Q4_K || qt == QT_Q6_K) ? QKK : QK; }
 static int64_t block_bytes(int qt) {
     switch (qt) {
-        case QT_F16: return 2;
+        case QT_F16:
+        case QT_BF16: return 2;
         case QT_Q4_0: return 18;
         case QT_Q8_0: return 34;
         case QT_Q4_K: return 144;
@@ -230,6 +240,54 @@ static inline float dot_f16(const uint8_t *row, const float *x, int64_t K) {
 }
 
 #ifdef PI_AVX2
+/* 8 bfloat16 -> 8 fp32: the 16 bits become the high half of each fp32 */
+static inline __m256 bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+/* 8 f16 or bf16 values -> 8 fp32 */
+static inline __m256 load16x8(int qt, const uint16_t *p) {
+    return qt == QT_BF16 ? bf16x8(p) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+#endif
+
+static inline float dot_bf16(const uint8_t *row, const float *x, int64_t K) {
+    const uint16_t *h = (const uint16_t *)row;
+    int64_t i = 0;
+    float acc = 0.f;
+#ifdef PI_AVX2
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (; i + 16 <= K; i += 16) {
+        a0 = _mm256_fmadd_ps(bf16x8(h + i), _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(bf16x8(h + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+    }
+    acc = hsum8(_mm256_add_ps(a0, a1));
+#endif
+    for (; i < K; i++) acc += b2f(h[i]) * x[i];
+    return acc;
+}
+
+#ifdef PI_AVX2
+/* out[i] = row_i . x for 4 f16/bf16 rows (K a multiple of 8): one pass over x for 4 rows,
+ * 4 independent FMA chains (a GEMV is then bound by reading the rows, not by one chain) */
+static inline void dot4_16(int qt, const uint8_t *const *rows, const float *x, int64_t K, float *out) {
+    const uint16_t *h0 = (const uint16_t *)rows[0], *h1 = (const uint16_t *)rows[1];
+    const uint16_t *h2 = (const uint16_t *)rows[2], *h3 = (const uint16_t *)rows[3];
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (int64_t i = 0; i < K; i += 8) {
+        const __m256 xv = _mm256_loadu_ps(x + i);
+        a0 = _mm256_fmadd_ps(load16x8(qt, h0 + i), xv, a0);
+        a1 = _mm256_fmadd_ps(load16x8(qt, h1 + i), xv, a1);
+        a2 = _mm256_fmadd_ps(load16x8(qt, h2 + i), xv, a2);
+        a3 = _mm256_fmadd_ps(load16x8(qt, h3 + i), xv, a3);
+    }
+    out[0] = hsum8(a0);
+    out[1] = hsum8(a1);
+    out[2] = hsum8(a2);
+    out[3] = hsum8(a3);
+}
+#endif
+
+#ifdef PI_AVX2
 /* Register tile: out[i * RN + j] = row_i . x_j for RM Q4_0/Q8_0 rows and RN q8 activations,
  * with RM * RN independent accumulators (one FMA chain per pair instead of one per row) and
  * each block's unpacked weights reused for every activation. RM, RN are compile-time
@@ -369,6 +427,7 @@ static inline float row_dot(int qt, const uint8_t *row, act_t a, int64_t K) {
         case QT_Q8_0: return dot_q8_0(row, a.xq, a.xd, K / QK);
         case QT_Q4_K: return dot_q4_K(row, a, K / QKK);
         case QT_Q6_K: return dot_q6_K(row, a, K / QKK);
+        case QT_BF16: return dot_bf16(row, a.x, K);
         default: return dot_f16(row, a.x, K);
     }
 }
@@ -471,7 +530,18 @@ void pi_q_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x, int6
 #ifdef PI_AVX2
         if (is_q0(qt)) {
             gemm_q8_range(qt, (const uint8_t *)W, rb, N, K, acts.q, acts.d, T, y, r0, r1);
-        } else
+            r0 = r1;
+        } else if (is_16bit(qt) && K % 8 == 0) {
+            for (; r0 + 4 <= r1; r0 += 4) {
+                const uint8_t *rows[4] = {(const uint8_t *)W + r0 * rb, (const uint8_t *)W + (r0 + 1) * rb,
+                                          (const uint8_t *)W + (r0 + 2) * rb, (const uint8_t *)W + (r0 + 3) * rb};
+                float o[4];
+                for (int64_t t = 0; t < T; t++) {
+                    dot4_16(qt, rows, x + t * K, K, o);
+                    for (int i = 0; i < 4; i++) y[t * N + r0 + i] = o[i];
+                }
+            }
+        }
 #endif
         for (int64_t r = r0; r < r1; r++) {
             const uint8_t *row = (const uint8_t *)W + r * rb;
@@ -557,6 +627,15 @@ static inline void axpy_row(int qt, const uint8_t *row, float c, int64_t d0, int
             _mm256_storeu_ps(out + d, _mm256_fmadd_ps(cv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + d))), _mm256_loadu_ps(out + d)));
 #endif
         for (; d < d1; d++) out[d] += c * h2f(h[d]);
+    } else if (qt == QT_BF16) {
+        const uint16_t *h = (const uint16_t *)row;
+        int64_t d = d0;
+#ifdef PI_AVX2
+        const __m256 cv = _mm256_set1_ps(c);
+        for (; d + 8 <= d1; d += 8)
+            _mm256_storeu_ps(out + d, _mm256_fmadd_ps(cv, bf16x8(h + d), _mm256_loadu_ps(out + d)));
+#endif
+        for (; d < d1; d++) out[d] += c * b2f(h[d]);
     } else {
         float buf[QKK];
         for (int64_t b = d0 / QKK; b < d1 / QKK; b++) {

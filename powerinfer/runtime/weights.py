@@ -1,16 +1,18 @@
 """Turn GGUF tensors into torch tensors for the runtime, without duplicate copies.
 
-Memory rule: every weight is resident once, in the compute dtype.
+Memory rule: every weight is resident once, in the file's type where the kernels compute
+on it, else in the compute dtype.
 
 * When the file stores a tensor in the compute dtype, the runtime uses a view
   of the file's memory map (zero copy; pages come from the page cache).
-* Otherwise (f16 file, bf16/f32 compute; quantized types) the tensor is
-  converted into anonymous memory and the file pages it was read from are
+* Otherwise (norms and biases of 16-bit files; every weight with the torch backend) the
+  tensor is converted into anonymous memory and the file pages it was read from are
   released from this process (``madvise(MADV_DONTNEED)``), so resident memory
   is the converted copy only, not converted copy + mapped file.
-* A quantized file's matrices (Q4_0, Q8_0, Q4_K, Q6_K, and its f16 ones such as the
-  predictors) stay in the memory map as :class:`QWeight` (:func:`load_matrix`), which
-  the kernels compute on in place: resident memory is the file size.
+* With the C kernels, matrices stored as Q4_0, Q8_0, Q4_K, Q6_K, f16 or bf16 stay in the
+  memory map as :class:`QWeight` (:func:`load_matrix`), which the kernels compute on in
+  place (f16 converted in registers by F16C, bf16 by a 16-bit shift): resident memory is
+  the file size, and a 16-bit file is read at 2 bytes a weight on any AVX2 CPU.
 * :func:`load_rows_into` fills a slice of a preallocated tensor (e.g. Q, K and
   V into one fused ``wqkv``), so fused layouts cost no extra copy either.
 
@@ -173,6 +175,13 @@ def weight_nbytes(w) -> float:
     return float(w.nbytes) if isinstance(w, QWeight) else float(w.numel() * w.element_size())
 
 
+def weight_type(w) -> str:
+    """A weight's storage type as a name: ``q4_0``, ``f16``, ``bf16``, ``float32``... (``+``-joined for a list)."""
+    if isinstance(w, (list, tuple)):
+        return "+".join(dict.fromkeys(weight_type(p) for p in w))
+    return w.btype.name.lower() if isinstance(w, QWeight) else str(w.dtype).removeprefix("torch.")
+
+
 def is_quantized(g: GGUFFile) -> bool:
     """True when any tensor of ``g`` has a block-quantized type."""
     return any(t.tensor_type.name not in FLOAT_TYPES for t in g.tensors.values())
@@ -180,7 +189,9 @@ def is_quantized(g: GGUFFile) -> bool:
 
 def load_matrix(g: GGUFFile, name: str, dtype: torch.dtype, mapped: bool, dense_use: bool = False):
     """A 2-D weight: a :class:`QWeight` view of the map when ``mapped`` and its type is one the
-    kernels compute on (:data:`MAPPED_TYPES`), else :func:`load_tensor` in ``dtype``.
+    kernels compute on (:data:`MAPPED_TYPES`: block-quantized, f16, bf16), else
+    :func:`load_tensor` in ``dtype`` (a view of the map when the file stores ``dtype``: f32,
+    or bf16 computed in bf16 on a CPU with bf16 dot products).
 
     ``dense_use``: the matrix is only used in dense products (never by rows), so a Q4_0 one
     is re-laid out in 8-row groups (``kernels.for_dense_products``; a copy in anonymous
@@ -192,7 +203,7 @@ def load_matrix(g: GGUFFile, name: str, dtype: torch.dtype, mapped: bool, dense_
     t = _tensor(g, name)
     kind = t.tensor_type.name
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-    if not mapped or kind not in MAPPED_TYPES or len(shape) != 2:
+    if not mapped or kind not in MAPPED_TYPES or len(shape) != 2 or _NATIVE.get(kind) == dtype:
         if mapped and kind not in FLOAT_TYPES and kind not in _WARNED:
             _WARNED.add(kind)
             log.warning("%s: %s tensors (%s, ...) have no kernel here: dequantized to %s at load, which "
