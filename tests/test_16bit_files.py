@@ -111,3 +111,20 @@ def test_f16_file_is_resident_once(files):
     grown = rss() - r0
     weights = sum(w.nbytes for w in {id(w): w for w in _matrices(model)}.values())
     assert grown <= 1.15 * weights + (24 << 20), f"RSS grew {grown / 1e6:.1f} MB for {weights / 1e6:.1f} MB"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc (Linux)")
+def test_kv_cache_pages_become_resident_only_as_positions_are_written():
+    from powerinfer.runtime.model import KVCache
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    r0 = rss()
+    cache = KVCache(4, 4096, 8, 128, torch.float32)  # 128 MiB of keys and values
+    assert rss() - r0 < (16 << 20)
+    k, v = cache.layer(3)
+    assert not k.any() and not v.any()  # reads as zeros before any write
+    k[:8] = 1.0
+    assert k[:8].eq(1).all() and not k[8:].any() and not cache.layer(2)[0].any()

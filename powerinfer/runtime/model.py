@@ -35,7 +35,7 @@ from .args import ModelArgs
 from ..quant.qweight import QWeight
 from .ffn import FFN
 from .kernels import attend_one, embed, linear
-from .weights import dense_layout, is_quantized, load_concat, load_matrix, load_tensor, stack_rows, tensor_shape
+from .weights import dense_layout, is_quantized, load_concat, load_matrix, load_tensor, stack_rows, tensor_shape, zeros
 
 DEFAULT_CTX = 4096  # context when none is asked for, if the model's is longer (llama.cpp's default too)
 log = logging.getLogger(__name__)
@@ -82,8 +82,9 @@ class KVCache:
         if avail is not None and nbytes > avail:
             raise PowerInferError(f"the KV cache for a context of {n_ctx} tokens needs {nbytes / 2**30:.1f} GiB, "
                                   f"more than the {avail / 2**30:.1f} GiB of memory available: ask for less with -c")
-        self.k = torch.zeros(n_layer, n_ctx, n_head_kv, head_dim, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
+        # resident as positions are written, not all at once (a 4096-token f32 cache of a 7B is 4 GiB)
+        self.k = zeros((n_layer, n_ctx, n_head_kv, head_dim), dtype)
+        self.v = zeros((n_layer, n_ctx, n_head_kv, head_dim), dtype)
         self._layers = [(self.k[i], self.v[i]) for i in range(n_layer)]  # views, made once (not per token)
         self._cpu = list(range(n_layer))  # layers whose keys and values are rows of k, v
 

@@ -74,6 +74,15 @@ def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tens
     return raw[off:off + n].view(dtype).view(shape)
 
 
+def zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor whose pages become resident only when written (big ones: a fresh anonymous
+    mapping reads as zeros without being touched), e.g. a KV cache sized for the whole context."""
+    n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    if n < _HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype)
+    return empty(shape, dtype)  # MAP_ANONYMOUS memory is zero-filled on first touch
+
+
 # ---------------------------------------------------------------------------- reading
 def _tensor(g: GGUFFile, name: str):
     t = g.tensors.get(name)
