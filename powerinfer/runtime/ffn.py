@@ -9,8 +9,10 @@ to the ``k`` results, and the matching rows of ``down_t`` are added up weighted
 by them (:func:`kernels.rows_axpy`: one AXPY per neuron). No per-token Python
 work depends on ``n_ff``. Neurons the predictor misses are skipped even if they would fire;
 neurons it wrongly marks contribute exactly zero after the ReLU. For several
-tokens at once (the prompt) the per-token masks are applied to a dense
-computation, which gives the same numbers.
+tokens at once (the prompt) each token runs its own active rows as decoding does when the
+predicted-active share is at most :data:`ROWS_MAX_SHARE`; above it the per-token masks
+are applied to a dense computation (every row read once for all tokens), which gives the
+same numbers.
 
 Shapes: ``h``, ``xn``: ``[T, D]``; ``gate``/``up``/``down_t``: ``[F, D]``.
 """
@@ -29,6 +31,13 @@ from . import kernels
 from .kernels import linear
 
 
+# A prompt whose predicted-active share is at most this runs each token's active rows (the
+# decode kernels, memory-bound on ~share of the bytes) instead of every row for all tokens
+# at once (compute-bound). Measured on a 7B-shaped layer (n_embd 4096, n_ff 11008), 64
+# tokens, 13% predicted active, 1 thread, AVX2: Q4_0 167 ms against 316 ms, f16 335 against 600.
+ROWS_MAX_SHARE = 0.3
+
+
 @dataclass
 class FFN:
     family: Family
@@ -42,6 +51,7 @@ class FFN:
     fc1: torch.Tensor | None = None  # [H, D] predictor, None when dense
     fc2: torch.Tensor | None = None  # [F, H]
     threshold: float = 0.0
+    rows_max_share: float = ROWS_MAX_SHARE  # prompts at most this active run per-token rows (0: never)
     n_active: int = 0  # neurons computed, summed over calls (sparse only)
     n_calls: int = 0  # tokens seen
     n_fired: int = 0  # neurons whose activation was non-zero, summed over calls (sparse, count_fired only)
@@ -94,7 +104,10 @@ class FFN:
             idx = mask.view(-1).nonzero().view(-1)  # [k]
             self.n_active += idx.numel()
             return self.rows(xn[0], idx)[None]
-        self.n_active += int(mask.sum())
+        n_active = int(mask.sum())
+        self.n_active += n_active
+        if n_active <= self.rows_max_share * mask.numel():  # a sparse prompt: each token's rows, as decoding reads them
+            return torch.stack([self.rows(xn[t], mask[t].nonzero().view(-1)) for t in range(T)])
         gate, up = self.preact(xn)
         hidden = self.family.combine(self.act, gate, up) * mask.to(xn.dtype)
         if self.count_fired:

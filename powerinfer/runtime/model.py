@@ -404,8 +404,13 @@ class Transformer:
         return x + self._ffn(i, layer, x, layer.ffn_norm(x))
 
     def oracle_masks(self) -> None:
-        """Use the true active set instead of the predictor (for tests and predictor studies)."""
+        """Use the true active set instead of the predictor (for tests and predictor studies).
+
+        The oracle computes every neuron's pre-activation to find the set, so prompts apply
+        the masks to those (never per-token rows): it equals dense bit for bit."""
         a = self.args
+        for layer in self.layers:
+            layer.ffn.rows_max_share = 0.0
 
         def fn(i: int, x: torch.Tensor, xn: torch.Tensor) -> torch.Tensor:
             gate, up = self.layers[i].ffn.preact(xn)
