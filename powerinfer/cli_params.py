@@ -4,15 +4,102 @@
 range comparison and an infinite or huge value overflows later (``int(inf)``, ``struct.pack``).
 :class:`FiniteFloat` refuses them when the command line is parsed, with click's usual
 "Invalid value for '--opt'" message and exit code 2, before any file is read or written.
+
+The checks here import nothing heavy (no torch, transformers or numpy), so a command refuses a
+wrong value or a missing input in a fraction of a second, before it imports what it runs on:
+:func:`check_threads`, :func:`check_ctx_size`, :func:`require_file`, :func:`require_folder`, and
+:func:`version_option`, the ``--version`` every ``pi-*`` command has. Missing inputs have one
+wording everywhere: ``PATH: file not found`` / ``PATH: <what> folder not found``.
 """
 from __future__ import annotations
 
 import math
-from typing import Any
+import os
+from pathlib import Path
+from typing import Any, Callable
 
 import click
 
-__all__ = ["FiniteFloat"]
+from .errors import PowerInferError
+
+__all__ = ["FiniteFloat", "check_threads", "check_ctx_size", "require_file", "require_folder", "require_model_folder",
+           "require_data", "version_option", "plural", "rate"]
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """``1 token``, ``2 tokens`` (``many``: the plural when it is not ``word + 's'``)."""
+    return f"{n} {word if n == 1 else (many or word + 's')}"
+
+
+def rate(n: int, seconds: float, unit: str = "tokens/s") -> str:
+    """`` (12.3 tokens/s)``, or nothing when there is no rate to give (no tokens or no time):
+    never a NaN or an infinity in a report."""
+    return f" ({n / seconds:.1f} {unit})" if n > 0 and seconds > 0 else ""
+
+
+def version_option(prog: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--version``: ``<prog> (powerinfer) <version>``, answered before anything is imported."""
+    from . import __version__
+
+    return click.version_option(__version__, "--version", prog_name=prog, message="%(prog)s (powerinfer) %(version)s")
+
+
+def check_threads(threads: int) -> int:
+    """``-t``: 0 (automatic) up to 4 x the CPU count; raises PowerInferError otherwise."""
+    top = 4 * (os.cpu_count() or 1)
+    if not 0 <= threads <= top:
+        raise PowerInferError(f"-t {threads}: must be between 0 (automatic) and {top} (4 x the {os.cpu_count()} CPUs)")
+    return threads
+
+
+def check_ctx_size(ctx_size: int, zero: str = "the model's context length") -> int:
+    """``-c``: >= 0 (0 means ``zero``); raises PowerInferError otherwise."""
+    if ctx_size < 0:
+        raise PowerInferError(f"-c {ctx_size}: must be >= 0 (0: {zero})")
+    return ctx_size
+
+
+def require_file(path: str | Path, flag: str | None = None) -> Path:
+    """``path`` unless it is missing (PowerInferError ``[FLAG ]PATH: file not found``) or a folder
+    (``not a file``); what else a reader refuses (a FIFO, a device) is left to the reader."""
+    p = Path(path)
+    if not p.exists() or p.is_dir():
+        where = f"{flag} {path}" if flag else f"{path}"
+        raise PowerInferError(f"{where}: {'not a file' if p.exists() else 'file not found'}")
+    return p
+
+
+def require_folder(path: str | Path, what: str, recover: bool = True) -> Path:
+    """``path`` when it is an existing folder (with ``recover``, after finishing or undoing a folder
+    swap a killed writer left half done, as the folder loaders do); PowerInferError
+    ``PATH: <what> folder not found`` (or ``not a folder``) otherwise."""
+    p = Path(path)
+    if not p.is_dir() and recover:
+        from .formats._atomic import recover as finish_swap
+
+        finish_swap(p)
+    if not p.is_dir():
+        raise PowerInferError(f"{path}: {'not a folder' if p.exists() else f'{what} folder not found'}")
+    return p
+
+
+def require_model_folder(path: str | Path) -> Path:
+    """A Hugging Face model folder argument: PowerInferError ``PATH: model folder not found`` or
+    ``PATH: not a folder (expected a Hugging Face model folder)``."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise PowerInferError(f"{path}: not a folder (expected a Hugging Face model folder)")
+    return require_folder(p, "model", recover=False)
+
+
+def require_data(data: str) -> None:
+    """``--data`` of the calibration stages: ``hf:NAME`` is looked up later; a path must exist
+    (PowerInferError ``PATH: data file not found``, the wording of :mod:`powerinfer.data`)."""
+    if data.startswith("hf:"):
+        return
+    path = Path(data).expanduser()
+    if not path.exists():
+        raise PowerInferError(f"{path}: data file not found")
 
 
 class FiniteFloat(click.ParamType):

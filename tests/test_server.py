@@ -306,12 +306,16 @@ def test_native_completion_endpoint(sparse_gguf, sparse_server):
     assert "".join(x["content"] for x in lines) == want and lines[-1]["stop"] is True
 
 
-def test_server_refuses_a_busy_port_before_loading_the_model(tmp_path, sparse_server):
-    not_a_model = tmp_path / "missing.gguf"  # never opened: the port is checked first
-    r = subprocess.run([sys.executable, "-m", "powerinfer.server.cli", "-m", str(not_a_model), "--port",
+def test_server_refuses_a_busy_port_before_loading_the_model(tmp_path, sparse_server, sparse_gguf):
+    # the file's header is checked first (a bad model is named, not the port), the model is not loaded
+    r = subprocess.run([sys.executable, "-m", "powerinfer.server.cli", "-m", str(sparse_gguf), "--port",
                         str(sparse_server.port), "--log-level", "error"], capture_output=True, text=True, timeout=90)
     assert r.returncode == 1
     assert "cannot listen on" in r.stderr and "Traceback" not in r.stderr
+    not_a_model = tmp_path / "missing.gguf"
+    r = subprocess.run([sys.executable, "-m", "powerinfer.server.cli", "-m", str(not_a_model), "--port",
+                        str(sparse_server.port), "--log-level", "error"], capture_output=True, text=True, timeout=90)
+    assert r.returncode == 1 and f"{not_a_model}: file not found" in r.stderr and "listen" not in r.stderr
 
 
 @pytest.fixture(scope="module")

@@ -94,9 +94,13 @@ def build_plan(data: str, tokenizer, caps: dict[str, int | None], seq_len: int, 
 def shortfall_notes(plan: CalibrationPlan, caps: dict[str, int | None], data: str) -> list[str]:
     """One line per split whose text gave under half the tokens asked for (for the stages' logs)."""
     got = plan.n_tokens
-    return [f"{data}: the {split} split gave only {got[split]} tokens of the {cap} asked for "
-            f"(the text ran out; more text gives better statistics)"
+    return [f"{data}: {SPLIT_NAMES.get(split, f'the {split} split')} gave only {got[split]} tokens of the {cap} "
+            f"asked for (the text ran out; more text gives better statistics)"
             for split, cap in caps.items() if cap is not None and got[split] < 0.5 * cap]
+
+
+SPLIT_NAMES = {"all": "the calibration text", "train": "the training split (--max-tokens)",
+               "heldout": "the held-out split (--heldout-tokens)"}  # as the shortfall notes name them
 
 
 def check_tokens(plan: CalibrationPlan, tokenizer, vocab_size: int | None, model_dir: str) -> None:

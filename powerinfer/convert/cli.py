@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from ..activation_flag import ffn_activation_option
-from ..cli_params import FiniteFloat
+from ..cli_params import FiniteFloat, require_folder, require_model_folder, version_option
 from ..errors import cli_errors
 from .type_names import DEFAULT_PREDICTOR_TYPE, OUTTYPES, PREDICTOR_TYPES
 
@@ -20,10 +20,10 @@ from ..limits import MAX_BUDGET_GIB, MAX_THRESHOLD
 @click.option("--outfile", required=True, type=click.Path(dir_okay=False),
               help="Output file (*.powerinfer.gguf with predictors, *.gguf without).")
 @click.option("--outtype", type=click.Choice(OUTTYPES, case_sensitive=False), default="f16", show_default=True,
-              help="2-D weight type (1-D tensors are always f32). q4_0/q8_0: ggml's reference quantizers; "
-                   "output.weight then Q8_0, rows not a multiple of 32 stay f16.")
+              help="2-D weight type (1-D tensors are always f32). bf16: not for upstream PowerInfer. q4_0/q8_0: "
+                   "ggml's reference quantizers; output.weight then Q8_0, rows not a multiple of 32 stay f16.")
 @click.option("--predictor-type", type=click.Choice(PREDICTOR_TYPES, case_sensitive=False), default=None,
-              help=f"Type of the predictor matrices fc1/fc2 (default: the outtype for f16/f32, "
+              help=f"Type of the predictor matrices fc1/fc2 (default: the outtype for f16/bf16/f32, "
                    f"{DEFAULT_PREDICTOR_TYPE} for quantized files).")
 @click.option("--sparse-threshold", type=FiniteFloat(-MAX_THRESHOLD, MAX_THRESHOLD), default=None,
               help="Predictor logit threshold (default: the predictor folder's config.json, else 0.0).")
@@ -31,10 +31,20 @@ from ..limits import MAX_BUDGET_GIB, MAX_THRESHOLD
               help="GiB of GPU memory: also write <outfile>.generated.gpuidx placing the hottest neurons.")
 @click.option("--activation", "activation_dir", type=click.Path(file_okay=False), default=None,
               help="Activation folder for the placement (default: MODEL_DIR/activation).")
+@click.option("--for-pi-run", "for_pi_run", is_flag=True,
+              help="The file is for pi-run only: no warnings about what upstream PowerInfer or llama.cpp would make "
+                   "of it (n_ff <= 1000, f32/Q8_0 ffn_down_t, a dense ReLU llama file). Without it those are warned.")
 @ffn_activation_option
+@version_option("pi-convert")
 @cli_errors
-def main(model_dir, pred_dir, outfile, outtype, predictor_type, sparse_threshold, vram_budget, activation_dir):
+def main(model_dir, pred_dir, outfile, outtype, predictor_type, sparse_threshold, vram_budget, activation_dir,
+         for_pi_run):
     """Write MODEL_DIR as a PowerInfer GGUF with the predictors in PRED_DIR, or a dense GGUF without."""
+    require_model_folder(model_dir)  # before torch and transformers are imported (seconds)
+    if pred_dir is not None:
+        require_folder(pred_dir, "predictor")
+    if activation_dir is not None:
+        require_folder(activation_dir, "activation")
     from ..formats.activation import load_activation_dir  # torch, transformers: imported to run, not for --help
     from .gpu_index import check_budget, dense_bytes, ensure_gpu_index
     from .writer import convert
@@ -50,7 +60,8 @@ def main(model_dir, pred_dir, outfile, outtype, predictor_type, sparse_threshold
             if activation_dir is not None or act_dir.is_dir():
                 load_activation_dir(act_dir, n_layer=dims["n_layer"], n_ff=dims["n_ff"])
     out = convert(model_dir, outfile, pred_dir, outtype.lower(), sparse_threshold,
-                  predictor_type=predictor_type.lower() if predictor_type else None, before_write=before_write)
+                  predictor_type=predictor_type.lower() if predictor_type else None, before_write=before_write,
+                  upstream_warnings=not for_pi_run)
     kind = "PowerInfer GGUF (PWRI, sparse)" if pred_dir else "dense GGUF"
     click.echo(f"wrote {out} ({kind}, {out.stat().st_size / 1e6:.2f} MB)")
     if vram_budget is not None:

@@ -187,7 +187,8 @@ def _model_name(model_dir: Path) -> str:
 def convert(model_dir: str | Path, outfile: str | Path, pred_dir: str | Path | None = None,
             outtype: str = "f16", sparse_threshold: float | None = None, progress: bool = True,
             predictor_type: str | None = None,
-            before_write: Callable[[list[tuple[str, int]], dict], None] | None = None) -> Path:
+            before_write: Callable[[list[tuple[str, int]], dict], None] | None = None,
+            upstream_warnings: bool = True) -> Path:
     """Convert ``model_dir`` (+ ``pred_dir``) to ``outfile``; returns the output path.
 
     ``outtype``: ``f16`` (2-D weights in f16, 1-D in f32; what upstream PowerInfer
@@ -203,7 +204,8 @@ def convert(model_dir: str | Path, outfile: str | Path, pred_dir: str | Path | N
     not an input (:func:`powerinfer.convert.outfile.check_outfile`).
     ``before_write(tensors, dims)``: called with every planned ``(gguf_name, bytes)`` and the
     model's dims once everything is checked, before the file is created; it may raise (the
-    ``--vram-budget`` check).
+    ``--vram-budget`` check). ``upstream_warnings`` False: the file is for pi-run only, so no
+    warning about what upstream PowerInfer or llama.cpp would make of it (``pi-convert --for-pi-run``).
     """
     model_dir, outfile = Path(model_dir), Path(outfile)
     if outtype not in OUTTYPES:
@@ -225,16 +227,16 @@ def convert(model_dir: str | Path, outfile: str | Path, pred_dir: str | Path | N
         predictors = load_predictor_dir(pred_dir, dims["n_layer"], dims["n_embd"], dims["n_ff"])
         if sparse_threshold is None:  # checked by read_predictor_config
             sparse_threshold = float(read_predictor_config(pred_dir).get("sparse_threshold", 0.0))
-        if outtype == "f32":
+        if outtype == "f32" and upstream_warnings:
             log.warning("f32 output: upstream PowerInfer's CPU kernel reads ffn_down_t only as f16/Q4_0 "
                         "and computes garbage from f32; use this file with pi-run only")
-        if outtype == "q8_0":
+        if outtype == "q8_0" and upstream_warnings:
             log.warning(UPSTREAM_Q8_0_SPARSE)
-        if dims["n_ff"] <= UPSTREAM_SMALL_FFN:
+        if dims["n_ff"] <= UPSTREAM_SMALL_FFN and upstream_warnings:
             log.warning("n_ff %d <= %d: upstream PowerInfer's CPU build routes such small FFNs to a block "
                         "kernel that ignores the predictor (ggml.c, mul_mat_sparse_head) and prints garbage; "
                         "the file is correct and pi-run runs it", dims["n_ff"], UPSTREAM_SMALL_FFN)
-    elif family.gguf_arch == "llama" and act.kind != "silu":
+    elif family.gguf_arch == "llama" and act.kind != "silu" and upstream_warnings:
         log.warning("dense %s GGUF: upstream PowerInfer and llama.cpp run dense llama files with SiLU and "
                     "ignore powerinfer.activation; this file is for pi-run (convert with predictors for upstream)",
                     act.kind)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from ..cli_params import check_ctx_size, check_threads, require_file, version_option
 from ..errors import PowerInferError, cli_errors
 from ..runtime.cli import DTYPE_NAMES
 
@@ -43,6 +44,7 @@ class Setup:
     n_batch: int | None
     threads: int
     dtype: str
+    capped: bool = False  # the note that -c was cut to the model's context was printed
 
 
 def _progress(label: str):
@@ -71,8 +73,9 @@ def _load(s: Setup, mode: str):
     from ..runtime.loading import default_threads, load_model
 
     model, tok = load_model(s.model_path, s.dtype, dense=mode == "dense", n_ctx=s.ctx_size or DEFAULT_CTX)
-    if s.ctx_size and model.n_ctx < s.ctx_size:
-        raise PowerInferError(f"-c {s.ctx_size}: larger than the model's context length {model.n_ctx}")
+    if s.ctx_size and model.n_ctx < s.ctx_size and not s.capped:  # capped with a note, as pi-run does
+        sys.stderr.write(f"note: -c {s.ctx_size} is more than the model's context length; using {model.n_ctx}\n")
+        s.capped = True
     if mode == "oracle":
         model.oracle_masks()
     torch.set_num_threads(s.threads or default_threads(model))
@@ -129,7 +132,7 @@ def compare_table(results: dict[str, PerplexityResult]) -> str:
 @click.option("-f", "--file", "text_path", required=True, type=click.Path(dir_okay=False),
               help="UTF-8 text file (e.g. wiki.test.raw); needs at least 2 x -c tokens.")
 @click.option("-c", "--ctx-size", default=0,
-              help=f"Tokens per chunk (0: {DEFAULT_CTX}, capped by the model's context length).")
+              help=f"Tokens per chunk (0: {DEFAULT_CTX}, larger values are cut to the model's context length, with a note).")
 @click.option("--chunks", "n_chunks", type=int, default=None, help="Evaluate at most this many chunks (default: all).")
 @click.option("-b", "--batch-size", "n_batch", type=int, default=None,
               help="Tokens per forward pass (default: the whole chunk; 1: token by token).")
@@ -141,16 +144,13 @@ def compare_table(results: dict[str, PerplexityResult]) -> str:
 @click.option("--oracle", is_flag=True, help="Compute exactly the truly active FFN neurons (needs a PWRI file).")
 @click.option("--compare", is_flag=True,
               help="Dense, predictor and oracle on the same tokens: PPL, change vs dense, neurons computed.")
+@version_option("pi-perplexity")
 @cli_errors
 def main(model_path, text_path, ctx_size, n_chunks, n_batch, threads, dtype, dense, oracle, compare):
     """Perplexity of a model on a text, computed as llama.cpp's llama-perplexity does."""
-    from ..formats.gguf_file import open_gguf
-    from ..runtime.loading import check_threads
-    from .perplexity import read_text
-
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
-    if ctx_size < 0:
-        raise PowerInferError(f"-c {ctx_size}: must be >= 0 (0: {DEFAULT_CTX} or the model's context length)")
+    # values and input files are checked before torch is imported (seconds on a cold start)
+    check_ctx_size(ctx_size, f"{DEFAULT_CTX} or the model's context length")
     if ctx_size and ctx_size < 4:
         raise PowerInferError(f"-c {ctx_size}: the context must be at least 4 tokens (half of it is scored)")
     if n_chunks is not None and n_chunks <= 0:
@@ -160,6 +160,11 @@ def main(model_path, text_path, ctx_size, n_chunks, n_batch, threads, dtype, den
     check_threads(threads)
     if sum((dense, oracle, compare)) > 1:
         raise PowerInferError("--dense, --oracle and --compare exclude each other (--compare runs all three)")
+    require_file(model_path)
+    require_file(text_path)
+    from ..formats.gguf_file import open_gguf
+    from .perplexity import read_text
+
     text = read_text(text_path)  # a bad text fails before the model is loaded
     sparse_file = open_gguf(model_path).sparse
     if (oracle or compare) and not sparse_file:

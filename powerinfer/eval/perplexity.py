@@ -94,7 +94,7 @@ def read_text(path: str | Path) -> str:
     try:
         st = p.stat()
     except FileNotFoundError:
-        raise PowerInferError(f"{p}: no such file") from None
+        raise PowerInferError(f"{p}: file not found") from None
     except OSError as e:
         raise PowerInferError(f"{p}: cannot read it ({e.strerror or e})") from None
     if stat.S_ISDIR(st.st_mode):

@@ -240,7 +240,8 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
-        raise PowerInferError(f"{model_dir}: not a directory (expected a Hugging Face model folder)")
+        raise PowerInferError(f"{model_dir}: not a folder (expected a Hugging Face model folder)" if model_dir.exists()
+                              else f"{model_dir}: model folder not found")
     cfg_path = model_dir / "config.json"
     if not cfg_path.is_file():
         raise PowerInferError(f"{model_dir}: no config.json, so this is not a Hugging Face model folder")

@@ -121,6 +121,25 @@ class GGUFFile:
         return str(self.require("general.architecture"))
 
 
+def check_gguf(path: str | Path):
+    """The validated header of ``path`` (:func:`~.gguf_validate.validate_gguf`), read without
+    mapping the tensors: what a front end checks before it spends time on anything else.
+
+    Raises PowerInferError naming the path when the file is missing, has another magic, is
+    truncated, or fails any check.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise PowerInferError(f"{path}: {'not a file' if path.exists() else 'file not found'}")
+    size = path.stat().st_size
+    magic = read_magic(path)
+    if magic not in (GGUF_BYTES, PWRI_BYTES):
+        raise PowerInferError(f"{path}: wrong magic {magic!r} (expected b'GGUF' or b'PWRI'); not a GGUF file")
+    if size < 24:
+        raise PowerInferError(f"{path}: truncated ({size} bytes is shorter than a GGUF header)")
+    return validate_gguf(path)
+
+
 def open_gguf(path: str | Path, reader_cls: type[GGUFReader] = PwriReader) -> GGUFFile:
     """Memory-map a GGUF or PowerInfer GGUF, after :func:`~.gguf_validate.validate_gguf` has
     checked its header (bounds, tensor layout, metadata types and ranges).
@@ -129,15 +148,8 @@ def open_gguf(path: str | Path, reader_cls: type[GGUFReader] = PwriReader) -> GG
     magic, is truncated, or fails any check.
     """
     path = Path(path)
-    if not path.is_file():
-        raise PowerInferError(f"{path}: file not found")
-    size = path.stat().st_size
+    header = check_gguf(path)
     magic = read_magic(path)
-    if magic not in (GGUF_BYTES, PWRI_BYTES):
-        raise PowerInferError(f"{path}: wrong magic {magic!r} (expected b'GGUF' or b'PWRI'); not a GGUF file")
-    if size < 24:
-        raise PowerInferError(f"{path}: truncated ({size} bytes is shorter than a GGUF header)")
-    header = validate_gguf(path)
     try:
         reader = reader_cls(path, "r")
     except Exception as e:  # noqa: BLE001 - gguf raises many types on corrupt input

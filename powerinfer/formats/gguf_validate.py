@@ -418,7 +418,11 @@ def check_metadata(h: Header) -> None:
 
 def _check_vocab(h: Header) -> None:
     toks = _kind(h, "tokenizer.ggml.tokens", _ARRAY, frozenset({_STRING}))
-    _kind(h, "tokenizer.ggml.merges", _ARRAY, frozenset({_STRING}))
+    merges = _kind(h, "tokenizer.ggml.merges", _ARRAY, frozenset({_STRING}))
+    model = h.kv.get("tokenizer.ggml.model")
+    if model is not None and model.value == "gpt2" and merges is None:  # llama.cpp refuses it too
+        raise PowerInferError(f"{h.path}: metadata tokenizer.ggml.merges is missing: tokenizer.ggml.model 'gpt2' "
+                              f"(byte-level BPE) cannot tokenize without its merges")
     n = len(toks.value) if toks is not None else None
     if n == 0:
         raise PowerInferError(f"{h.path}: metadata tokenizer.ggml.tokens is empty")

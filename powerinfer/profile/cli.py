@@ -14,6 +14,7 @@ import click
 
 from ..calibrate.options import calibration_options
 from ..activation_flag import ffn_activation_option
+from ..cli_params import require_data, require_model_folder, version_option
 from ..errors import cli_errors
 
 __all__ = ["main", "format_table"]
@@ -56,6 +57,7 @@ def profile_table(stats: dict[str, Any]) -> str:
 @click.option("--text-field", default="text", show_default=True, help="JSON field holding the text.")
 @calibration_options("--forward-batch", "--batch-size")
 @ffn_activation_option
+@version_option("pi-profile")
 @cli_errors
 def main(model_dir: Path, data: str, out_dir: Path, max_tokens: int, seq_len: int, text_field: str,
          device: str, dtype: str | None, threads: int | None, forward_batch: int, work_dir: Path | None) -> None:
@@ -68,6 +70,8 @@ def main(model_dir: Path, data: str, out_dir: Path, max_tokens: int, seq_len: in
     checkpoint one decoder layer at a time; run it under `torchrun --nproc-per-node N`
     to share the text between processes.
     """
+    require_model_folder(model_dir)  # before torch and transformers are imported (seconds)
+    require_data(data)
     from .collect import profile_model_dir
 
     from transformers.utils import logging as hf_logging

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from ..cli_params import version_option
 from ..errors import PowerInferError, cli_errors
 from ..profile.cli import format_table
 
@@ -63,6 +64,7 @@ def report_table(rows: list[dict]) -> str:
               help="PNG to write [default: ACT_DIR/report.png].")
 @click.option("--json", "json_out", default=None, type=click.Path(path_type=Path),
               help="Also write the table as JSON ({\"layers\": [...]}, the column names above).")
+@version_option("pi-report")
 @cli_errors
 def main(act_dir: Path, pred_dir: Path | None, out_png: Path | None, json_out: Path | None) -> None:
     from ..formats._atomic import atomic_path

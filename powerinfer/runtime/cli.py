@@ -10,14 +10,12 @@ import logging
 import math
 import statistics
 import sys
-from pathlib import Path
 
 from typing import TYPE_CHECKING
 
 import click
 
-from .. import __version__
-from ..cli_params import FiniteFloat
+from ..cli_params import FiniteFloat, check_ctx_size, check_threads, plural, rate, require_file, version_option
 from ..errors import PowerInferError, cli_errors
 from ..limits import MAX_BUDGET_GIB
 
@@ -33,9 +31,9 @@ DTYPE_NAMES = ("bf16", "f32")  # runtime.weights.DTYPES, named here without impo
 def read_prompt_file(path: str) -> str:
     """``-f``: the file's text (UTF-8; one trailing newline dropped, as llama.cpp does);
     PowerInferError for a missing, too large, binary or non-UTF-8 file."""
-    p = Path(path)
-    if not p.is_file():
-        raise PowerInferError(f"-f {path}: {'not a file' if p.exists() else 'file not found'}")
+    p = require_file(path, "-f")
+    if not p.is_file():  # a FIFO would block, /dev/zero never ends
+        raise PowerInferError(f"-f {path}: not a file")
     size = p.stat().st_size
     if size > MAX_PROMPT_FILE_BYTES:
         raise PowerInferError(f"-f {path}: {size / 2**20:.1f} MiB is more than a prompt file may be "
@@ -107,13 +105,18 @@ def bench_report(model: "Transformer", st: "GenStats", path: str) -> str:
     from . import kernels
     from .generate import decode_bytes_per_token
 
+    from .weights import weight_type
+
     mode = "dense" if model.dense else "sparse"
-    lines = [f"bench: {path} ({model.args.family.name}, {mode}, {str(model.dtype).removeprefix('torch.')}, "
-             f"kernels {kernels.backend()}, {_threads()})",
-             f"prompt: {st.n_prompt} tokens in {st.t_prompt * 1e3:.1f} ms ({st.prompt_tps:.1f} tokens/s)"]
+    ffn = model.layers[0].ffn
+    ws = (model.layers[0].wqkv, getattr(ffn, "up", None), getattr(ffn, "fc1", None))  # a HybridFFN has neither
+    types = dict.fromkeys(weight_type(w) for w in ws if w is not None)
+    lines = [f"bench: {path} ({model.args.family.name}, {mode}, weights {'/'.join(types)} computed in "
+             f"{str(model.dtype).removeprefix('torch.')}, kernels {kernels.backend()}, {_threads()})",
+             f"prompt: {plural(st.n_prompt, 'token')} in {st.t_prompt * 1e3:.1f} ms{rate(st.n_prompt, st.t_prompt)}"]
     if st.t_steps:
         tps = sorted(1.0 / t for t in st.t_steps)
-        lines.append(f"decode: {st.n_eval} tokens in {st.t_gen * 1e3:.1f} ms ({st.gen_tps:.1f} tokens/s; per step "
+        lines.append(f"decode: {plural(st.n_eval, 'token')} in {st.t_gen * 1e3:.1f} ms ({st.gen_tps:.1f} tokens/s; per step "
                      f"median {statistics.median(tps):.1f}, min {tps[0]:.1f}, max {tps[-1]:.1f} tokens/s)")
         lines.append(f"  FFN {100 * st.ffn_share:.1f}% of decode time (predictor {100 * st.predict_share:.1f}%), "
                      f"attention + output + rest {100 * (1 - st.ffn_share):.1f}%")
@@ -178,19 +181,18 @@ def bench_report(model: "Transformer", st: "GenStats", path: str) -> str:
 @click.option("-sys", "--system-prompt", default=None, help="The system message for -cnv.")
 @click.option("--bench", is_flag=True,
               help="Greedy, ignore EOS, no text: report tokens/s, FFN share of decode time, active share.")
-@click.version_option(__version__, "--version", prog_name="pi-run", message="%(prog)s (powerinfer) %(version)s")
+@version_option("pi-run")
 @cli_errors
 def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
          seed, ignore_eos, threads, dense, vram_budget, activation_dir, reset_gpu_index, disable_gpu_index, dtype,
          kernel_backend, conversation, interactive, system_prompt, bench):
     """Generate text with sparse FFNs: only the neurons the predictor marks active are computed."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
-    from . import kernels
-    from .generate import SamplerSettings, count_fired, generate
-    from .loading import open_for_inference
-    from .session import Session
-
+    # every value and input file is checked before torch is imported (seconds on a cold start)
     check_sampler(n_predict, temp, top_k, top_p, seed, repeat_penalty, repeat_last_n, min_p)
+    check_ctx_size(ctx_size)
+    check_threads(threads)
+    require_file(model_path)
     if prompt_file is not None:
         if click.get_current_context().get_parameter_source("prompt") == click.core.ParameterSource.COMMANDLINE:
             raise PowerInferError("-p and -f: give the prompt one way, not both")
@@ -208,6 +210,11 @@ def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_
         if src == click.core.ParameterSource.COMMANDLINE or prompt_file is not None:
             raise PowerInferError("-sys and -p/-f: in chat mode both set the system prompt; give one")
         check_text(system_prompt, "-sys")
+    from . import kernels
+    from .generate import SamplerSettings, count_fired, generate
+    from .loading import open_for_inference
+    from .session import Session
+
     model, tok = open_for_inference(
         model_path, dtype=dtype, dense=dense, ctx_size=ctx_size, threads=threads, kernel_backend=kernel_backend,
         vram_budget=vram_budget, activation_dir=activation_dir, reset_gpu_index=reset_gpu_index,
@@ -246,12 +253,14 @@ def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_
     mode = "dense" if model.dense else "sparse"
     err = sys.stderr
     if st.stop == "context":
-        err.write(f"note: the context is full ({model.n_ctx} tokens): stopped after {st.n_gen} tokens"
+        err.write(f"note: the context is full ({model.n_ctx} tokens): stopped after {plural(st.n_gen, 'token')}"
                   + (f" of -n {n_predict}" if n_predict >= 0 else "") + "\n")
     err.write(f"\nmodel: {model_path} ({model.args.family.name}, {mode}, {str(model.dtype).removeprefix('torch.')}, "
               f"kernels {kernels.backend()}, {_threads()})\n")
-    err.write(f"prompt eval: {st.n_prompt} tokens in {st.t_prompt * 1e3:.1f} ms ({st.prompt_tps:.1f} tokens/s)\n")
-    err.write(f"generation:  {st.n_gen} tokens, {st.n_eval} evals in {st.t_gen * 1e3:.1f} ms ({st.gen_tps:.1f} tokens/s)\n")
+    err.write(f"prompt eval: {plural(st.n_prompt, 'token')} in {st.t_prompt * 1e3:.1f} ms"
+              f"{rate(st.n_prompt, st.t_prompt)}\n")
+    err.write(f"generation:  {plural(st.n_gen, 'token')}, {plural(st.n_eval, 'eval')} in {st.t_gen * 1e3:.1f} ms"
+              f"{rate(st.n_eval, st.t_gen)}\n")
     if st.t_steps:
         err.write(f"FFN share of decode time: {100 * st.ffn_share:.1f}% (predictor {100 * st.predict_share:.1f}%)\n")
     if st.active_share is not None:
@@ -273,8 +282,8 @@ def _summary(log, model) -> None:
     t_gen = sum(t.t_gen for t in log.turns)
     n_steps = sum(t.n_eval for t in log.turns)
     tps = f", {n_steps / t_gen:.1f} tokens/s" if t_gen > 0 and n_steps else ""
-    sys.stderr.write(f"\n{len(log.turns)} turns: {n_eval} prompt tokens evaluated, {n_reused} reused from the "
-                     f"KV cache, {n_gen} generated{tps} ({'dense' if model.dense else 'sparse'})\n")
+    sys.stderr.write(f"\n{plural(len(log.turns), 'turn')}: {plural(n_eval, 'prompt token')} evaluated, {n_reused} "
+                     f"reused from the KV cache, {n_gen} generated{tps} ({'dense' if model.dense else 'sparse'})\n")
 
 
 def run_chat(model, tok, sampler, n_predict, system, ignore_eos) -> None:

@@ -98,12 +98,14 @@ class GenStats:
         return self.t_predict / self.t_gen if self.t_gen > 0 else float("nan")
 
     @property
-    def prompt_tps(self) -> float:
-        return self.n_prompt / self.t_prompt if self.t_prompt > 0 else float("nan")
+    def prompt_tps(self) -> float | None:
+        """Prompt tokens evaluated per second; None when none were (no NaN in reports or JSON)."""
+        return self.n_prompt / self.t_prompt if self.t_prompt > 0 and self.n_prompt else None
 
     @property
-    def gen_tps(self) -> float:
-        return self.n_eval / self.t_gen if self.t_gen > 0 and self.n_eval else float("nan")
+    def gen_tps(self) -> float | None:
+        """Decode steps per second; None when there were none."""
+        return self.n_eval / self.t_gen if self.t_gen > 0 and self.n_eval else None
 
 
 def count_fired(model: Transformer, on: bool = True) -> None:

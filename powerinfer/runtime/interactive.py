@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, TextIO
 
+from ..cli_params import plural
 from ..errors import PowerInferError, Terminated
 from .chat import ChatTemplate, chat_prompt_ids
 from .generate import GenStats, SamplerSettings
@@ -140,7 +141,7 @@ def chat_loop(session: Session, template: ChatTemplate, sampler: SamplerSettings
                 err.write(f"note: the context ({n_ctx} tokens) is full: the {dropped} oldest turn"
                           f"{'s were' if dropped > 1 else ' was'} dropped{' (the system prompt stays)' if n_keep else ''}\n")
             if len(ids) >= n_ctx:
-                err.write(f"error: this message is {len(ids)} tokens with the system prompt, more than the context "
+                err.write(f"error: this message is {plural(len(ids), 'token')} with the system prompt, more than the context "
                           f"({n_ctx}); shorten it or raise -c\n")
                 messages = messages[:n_keep]
                 history_ids, history_text = [], ""

@@ -2,12 +2,12 @@
 kernels chosen, weights mapped, threads set, hot neurons offloaded when a VRAM budget is given."""
 from __future__ import annotations
 
-import os
 import sys
 from typing import Callable
 
 import torch
 
+from ..cli_params import check_ctx_size, check_threads
 from ..errors import PowerInferError
 from ..formats.gguf_file import open_gguf
 from . import kernels
@@ -17,14 +17,6 @@ from .tokenizer import GGUFTokenizer
 from .weights import compute_dtype
 
 SMALL_MODEL_BYTES = 64 << 20  # below this many weight bytes per token, one thread is fastest
-
-
-def check_threads(threads: int) -> int:
-    """``-t``: 0 (automatic) up to 4 x the CPU count; raises PowerInferError otherwise."""
-    top = 4 * (os.cpu_count() or 1)
-    if not 0 <= threads <= top:
-        raise PowerInferError(f"-t {threads}: must be between 0 (automatic) and {top} (4 x the {os.cpu_count()} CPUs)")
-    return threads
 
 
 def load_model(path: str, dtype: str = "f32", dense: bool = False, n_ctx: int | None = None):
@@ -59,8 +51,7 @@ def open_for_inference(model_path: str, *, dtype: str = "auto", dense: bool = Fa
     """The model and tokenizer of ``model_path``, ready to decode: ``ctx_size`` 0 is the model's
     context (larger values are cut to it, with a ``note``), ``threads`` 0 picks by model size,
     ``vram_budget`` (GiB) places hot neurons on the GPU. Raises PowerInferError on bad values."""
-    if ctx_size < 0:
-        raise PowerInferError(f"-c {ctx_size}: must be >= 0 (0: the model's context length)")
+    check_ctx_size(ctx_size)  # the front ends check these before importing torch; kept for library callers
     check_threads(threads)
     set_kernels(kernel_backend)
     model, tok = load_model(model_path, dtype, dense, ctx_size or None)

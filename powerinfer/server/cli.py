@@ -13,8 +13,7 @@ import sys
 
 import click
 
-from .. import __version__
-from ..cli_params import FiniteFloat
+from ..cli_params import FiniteFloat, check_ctx_size, check_threads, version_option
 from ..errors import PowerInferError, cli_errors
 from ..limits import MAX_BUDGET_GIB
 from ..runtime.cli import DTYPE_NAMES
@@ -61,7 +60,7 @@ def _check_port_free(host: str, port: int) -> None:
               help="Requests that may wait for the model; more get 503.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
-@click.version_option(__version__, "--version", prog_name="pi-server", message="%(prog)s (powerinfer) %(version)s")
+@version_option("pi-server")
 @cli_errors
 def main(model_path, host, port, ctx_size, threads, dense, dtype, kernel_backend, vram_budget, alias, api_key,
          max_queue, log_level):
@@ -70,6 +69,12 @@ def main(model_path, host, port, ctx_size, threads, dense, dtype, kernel_backend
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(message)s")
     if api_key is not None and not api_key.strip():
         raise PowerInferError("--api-key: empty")
+    check_ctx_size(ctx_size)
+    check_threads(threads)
+    from ..formats.gguf_file import check_gguf
+
+    check_gguf(model_path)  # the header only (the model loads after the port check): a bad file is named first
+    _check_port_free(host, port)
     import uvicorn
 
     from ..runtime.chat import template_for
@@ -78,7 +83,6 @@ def main(model_path, host, port, ctx_size, threads, dense, dtype, kernel_backend
     from .app import ServerState, create_app
     from .engine import Engine
 
-    _check_port_free(host, port)
     model, tok = open_for_inference(model_path, dtype=dtype, dense=dense, ctx_size=ctx_size, threads=threads,
                                     kernel_backend=kernel_backend, vram_budget=vram_budget,
                                     note=lambda s: click.echo(s, err=True))

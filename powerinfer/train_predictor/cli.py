@@ -17,7 +17,7 @@ from ..calibrate.options import calibration_options
 from ..activation_flag import ffn_activation_option
 from ..errors import cli_errors
 from ..profile.cli import format_table
-from ..cli_params import FiniteFloat
+from ..cli_params import FiniteFloat, require_data, require_model_folder, version_option
 from ..limits import MAX_THRESHOLD
 from .defaults import DEFAULT_TARGET_RECALL
 
@@ -84,6 +84,7 @@ def predictor_table(config: dict[str, Any]) -> str:
 @calibration_options("--forward-batch")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed for initialisation and shuffling.")
 @ffn_activation_option
+@version_option("pi-train-predictor")
 @cli_errors
 def main(model_dir: Path, data: str, out_dir: Path, max_tokens: int, heldout_tokens: int | None,
          heldout_frac: float, seq_len: int, epochs: int, patience: int, batch_size: int, lr: float | None,
@@ -97,11 +98,12 @@ def main(model_dir: Path, data: str, out_dir: Path, max_tokens: int, heldout_tok
     and skips finished predictors. Under `torchrun --nproc-per-node N` the processes share
     the calibration text, then the layers' training.
     """
-    from .stage import train_predictor_dir
-    from .train import TrainSettings
-
     if hidden is not None and target_recall:
         raise click.UsageError("--hidden and --target-recall choose the width in different ways; give one")
+    require_model_folder(model_dir)  # before torch and transformers are imported (seconds)
+    require_data(data)
+    from .stage import train_predictor_dir
+    from .train import TrainSettings
     if target_recall is None:
         target_recall = None if hidden is not None else DEFAULT_TARGET_RECALL
     elif target_recall == 0:
