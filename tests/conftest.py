@@ -10,6 +10,18 @@ import pytest
 from helpers import STORIES, need
 
 
+# The longest files first. Under the README's `pytest -n auto` (pyproject: --dist loadfile
+# --no-loadscope-reorder) each file is one unit of work and the units go to the workers in
+# collection order: a long file collected last would finish alone after everything else.
+SLOW_FIRST = ("test_demo_model.py", "test_kill9.py", "test_calibrate.py", "test_server.py", "test_chat.py",
+              "test_gguf_validate.py", "test_profile.py", "test_train_predictor.py", "test_gpuidx.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session")
 def stories_hf() -> Path:
     """The real pretrained stories260K (SiLU Llama) in HF layout."""

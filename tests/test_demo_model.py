@@ -61,9 +61,13 @@ def test_demo_model_is_a_relu_llama_and_its_report_is_what_the_weights_give():
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
+    """The demo's stages with its defaults, except that every predictor is trained at width 64,
+    the width the demo's --target-recall search picks for layers 1-4 (56 for layer 0; README):
+    a third of the training time. The search itself is tested in test_target_recall.py and run
+    by recipes/demo.sh."""
     tmp = tmp_path_factory.mktemp("demo")
     stats = profile_model_dir(MODEL, DATA, tmp / "activation")
-    cfg = train_predictor_dir(MODEL, DATA, tmp / "predictor", work_dir=tmp / "work")
+    cfg = train_predictor_dir(MODEL, DATA, tmp / "predictor", work_dir=tmp / "work", hidden=64)
     out = convert(MODEL, tmp / "demo.powerinfer.gguf", tmp / "predictor", outtype="f32", progress=False)
     return stats, cfg, out
 
