@@ -192,10 +192,10 @@ def convert(model_dir: str | Path, outfile: str | Path, pred_dir: str | Path | N
     """Convert ``model_dir`` (+ ``pred_dir``) to ``outfile``; returns the output path.
 
     ``outtype``: ``f16`` (2-D weights in f16, 1-D in f32; what upstream PowerInfer
-    computes with), ``f32``, or ``q4_0`` / ``q8_0`` (ggml's reference quantizers,
-    :mod:`powerinfer.quant.ggml`). Which tensor gets which type, for quantized files
-    too (``output.weight`` Q8_0, predictors ``predictor_type``, F16 for rows that are not
-    a multiple of 32), is :func:`powerinfer.convert.tensor_types.tensor_type`.
+    computes with), ``bf16`` (pi-run and llama.cpp; upstream PowerInfer has no BF16), ``f32``,
+    or ``q4_0`` / ``q8_0`` (ggml's reference quantizers, :mod:`powerinfer.quant.ggml`). Which
+    tensor gets which type, for quantized files too (``output.weight`` Q8_0, predictors
+    ``predictor_type``, F16 for rows that are not a multiple of 32), is :func:`powerinfer.convert.tensor_types.tensor_type`.
     ``sparse_threshold`` overrides the predictor folder's ``config.json``. Raises
     PowerInferError for unsupported models or types, predictor folders that do not
     match, unmappable tensors, or NaN/inf weights in a quantized tensor; nothing is
@@ -232,6 +232,9 @@ def convert(model_dir: str | Path, outfile: str | Path, pred_dir: str | Path | N
                         "and computes garbage from f32; use this file with pi-run only")
         if outtype == "q8_0" and upstream_warnings:
             log.warning(UPSTREAM_Q8_0_SPARSE)
+        if outtype == "bf16" and upstream_warnings:
+            log.warning("bf16 output: upstream PowerInfer's ggml has no BF16 type and refuses the file; "
+                        "use it with pi-run (llama.cpp reads a dense bf16 GGUF)")
         if dims["n_ff"] <= UPSTREAM_SMALL_FFN and upstream_warnings:
             log.warning("n_ff %d <= %d: upstream PowerInfer's CPU build routes such small FFNs to a block "
                         "kernel that ignores the predictor (ggml.c, mul_mat_sparse_head) and prints garbage; "

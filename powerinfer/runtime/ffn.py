@@ -92,9 +92,30 @@ class FFN:
         finally:
             self.t_ffn += time.perf_counter() - t0
 
+    def fused(self) -> "kernels.SparseFFNCall | None":
+        """The one-call C path for a decode step of this FFN, or None when its weights need the
+        Python path (rebuilt when the weights or the threshold are replaced)."""
+        key = (id(self.fc1), id(self.fc2), id(self.gate), id(self.up), id(self.down_t), self.threshold,
+               kernels.backend())
+        if getattr(self, "_fused_key", None) != key:
+            biases = any(b is not None for b in (self.gate_b, self.up_b, self.down_b))
+            self._fused_call = None if not self.sparse else kernels.SparseFFNCall.make(
+                self.family.ffn, self.act.kind, self.act.threshold or 0.0, self.gate_min, self.threshold,
+                self.fc1, self.fc2, self.gate, self.up, self.down_t, biases)
+            self._fused_key = key
+        return self._fused_call
+
     def _forward(self, h: torch.Tensor, xn: torch.Tensor, mask: torch.Tensor | None, t0: float) -> torch.Tensor:
         if not self.sparse and mask is None:
             return self.dense(xn)
+        if mask is None and xn.shape[0] == 1 and (call := self.fused()) is not None:  # decode: one C call
+            out, k, fired, t_pred = call(h[0], xn[0])
+            self.n_calls += 1
+            self.n_active += k
+            self.t_predict += t_pred
+            if self.count_fired:
+                self.n_fired += fired
+            return out.to(xn.dtype)[None]
         if mask is None:
             mask = self.predict(h)
             self.t_predict += time.perf_counter() - t0

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import subprocess
 import sys
@@ -56,6 +57,7 @@ from ..quant.qweight import QWeight
 
 SOURCE = Path(__file__).with_name("kernels.c")
 QSOURCE = Path(__file__).with_name("qkernels.c")
+FSOURCE = Path(__file__).with_name("sparse_ffn.c")  # one token's sparse FFN in one call
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 _QT = {"F16": 2, "BF16": 30, "Q4_0": 10, "Q8_0": 11, "Q4_K": 12, "Q6_K": 13}  # qkernels.c type codes
 QGEMM_MAX_T = 64  # up to this many tokens a row-layout product runs in the C kernel, above it tiles + torch
@@ -77,7 +79,8 @@ def _build(native: bool = True) -> ctypes.CDLL:
     flags) and load them. ``native=False`` builds the portable scalar code (tests use it)."""
     from ..hardware import cpu_flags
 
-    src = SOURCE.read_bytes() + QSOURCE.read_bytes()
+    sources = (SOURCE, QSOURCE, FSOURCE)
+    src = b"".join(p.read_bytes() for p in sources)
     cc = os.environ.get("CC", "cc")
     flags = ["-O3", "-march=native" if native else "-mtune=generic", "-fopenmp", "-shared", "-fPIC"]
     libs = ["-lm"]
@@ -89,7 +92,7 @@ def _build(native: bool = True) -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            r = subprocess.run([cc, *flags, str(SOURCE), str(QSOURCE), "-o", tmp, *libs], capture_output=True, text=True,
+            r = subprocess.run([cc, *flags, *map(str, sources), "-o", tmp, *libs], capture_output=True, text=True,
                                timeout=120)
             if r.returncode != 0:
                 raise OSError(f"{cc} failed: {r.stderr.strip()[-400:]}")
@@ -115,6 +118,8 @@ def _build(native: bool = True) -> ctypes.CDLL:
     lib.pi_x8_gemm.argtypes = [C, P, I, I, P, I, P]
     for f in (lib.pi_q_gemm, lib.pi_q_dot_rows, lib.pi_q_axpy_rows, lib.pi_q_dequant_rows, lib.pi_x8_gemm):
         f.restype = None
+    lib.pi_q_sparse_ffn.argtypes = [C, C, P, I, C, C, P, F32, C, C, P, P, P, I, I, C, F32, F32, P, P, P, P, P, P, P]
+    lib.pi_q_sparse_ffn.restype = I
     return lib
 
 
@@ -334,6 +339,65 @@ def predict(h: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, threshold: fl
     if h.shape[0] == 1 and _c_ok(fc1, fc2):
         return (_mv(fc2, torch.relu(_mv(fc1, h[0]))) >= threshold)[None]  # logits kept in fp32
     return F.linear(torch.relu(F.linear(h, fc1)), fc2) >= threshold
+
+
+_FFN_KINDS = {"reglu": 0, "dreglu": 1, "relu": 2}  # sparse_ffn.c's ffn_kind
+_ACTS = {"relu": 0, "fatrelu": 1}
+
+
+class SparseFFNCall:
+    """One token's sparse FFN as one C call (``sparse_ffn.c``): predictor, selection, gate/up
+    rows, activation and down rows, the same kernels and numbers as the Python path.
+
+    Built by :meth:`make` for an FFN whose weights the call can take: gate/up/down_t QWeights
+    of one type in row layout, fc1/fc2 QWeights (row or ``x8`` layout), a relu or fatrelu
+    activation, no biases, the C backend. Holds its scratch buffers (``idx`` [F], ``buf``
+    [H + 3F]), so one instance serves one decoding thread at a time.
+    """
+
+    def __init__(self, ffn_kind: int, act: int, act_thr: float, gmin: float, threshold: float,
+                 fc1: QWeight, fc2: QWeight, gate: QWeight | None, up: QWeight, down_t: QWeight):
+        self.args = (ffn_kind, act, act_thr, gmin, threshold)
+        self.fc1, self.fc2, self.gate, self.up, self.down_t = fc1, fc2, gate, up, down_t
+        F, H = fc2.shape
+        self.idx = torch.empty(F, dtype=torch.int64)
+        self.buf = torch.empty(H + 3 * F, dtype=torch.float32)
+        self._n_fired = ctypes.c_int64()
+        self._t_pred = ctypes.c_double()
+
+    @staticmethod
+    def make(family_ffn: str, act_kind: str, act_thr: float, gmin: float | None, threshold: float,
+             fc1, fc2, gate, up, down_t, biases: bool) -> "SparseFFNCall | None":
+        """The call for these weights, or None when the Python path must run them."""
+        if biases or family_ffn not in _FFN_KINDS or act_kind not in _ACTS or backend() != "c":
+            return None
+        rows = [w for w in (gate, up, down_t) if w is not None]
+        if not all(isinstance(w, QWeight) and _q_c_ok(w) and w.btype == up.btype for w in rows):
+            return None
+        if (gate is None) != (family_ffn == "relu"):
+            return None
+        for w in (fc1, fc2):
+            if not (isinstance(w, QWeight) and w.btype.name in _QT and not w.transposed and w.raw.is_contiguous()
+                    and w.raw.device.type == "cpu"):
+                return None
+        return SparseFFNCall(_FFN_KINDS[family_ffn], _ACTS[act_kind], float(act_thr),
+                             -math.inf if gmin is None else float(gmin), float(threshold), fc1, fc2, gate, up, down_t)
+
+    def __call__(self, h: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, int, int, float]:
+        """``(out [D] fp32, predicted-active count, fired count, predictor seconds)`` for one token:
+        ``h`` [D] the predictor input, ``x`` [D] the normed FFN input."""
+        ffn_kind, act, act_thr, gmin, threshold = self.args
+        fc1, fc2, up = self.fc1, self.fc2, self.up
+        hf, xf = h.float().contiguous(), x.float().contiguous()
+        out = torch.empty(up.n_cols, dtype=torch.float32)
+        k = _state["lib"].pi_q_sparse_ffn(
+            _QT[fc1.btype.name], fc1.layout == "x8", fc1.raw.data_ptr(), fc1.n_rows,
+            _QT[fc2.btype.name], fc2.layout == "x8", fc2.raw.data_ptr(), threshold,
+            _QT[up.btype.name], ffn_kind, _ptr(None if self.gate is None else self.gate.raw), up.raw.data_ptr(),
+            self.down_t.raw.data_ptr(), up.n_rows, up.n_cols, act, act_thr, gmin, hf.data_ptr(), xf.data_ptr(),
+            out.data_ptr(), self.idx.data_ptr(), self.buf.data_ptr(), ctypes.byref(self._n_fired),
+            ctypes.byref(self._t_pred))
+        return out, int(k), self._n_fired.value, self._t_pred.value
 
 
 def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

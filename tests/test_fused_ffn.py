@@ -1,0 +1,87 @@
+"""One token's sparse FFN as one C call (``sparse_ffn.c``) gives the Python path's numbers,
+counts and skipped rows, for every weight type, FFN kind and sparse activation, on the native
+and the scalar build; FFNs the call cannot take run the Python path."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from helpers import make_tiny_llama, random_predictors
+from powerinfer.convert.writer import convert
+from powerinfer.families import Activation
+from powerinfer.formats.gguf_file import open_gguf
+from powerinfer.runtime import kernels
+from powerinfer.runtime.model import Transformer
+
+N_EMBD, N_FF = 64, 256
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fused")
+    hf = make_tiny_llama(tmp / "hf", n_layer=3, n_embd=N_EMBD, n_ff=N_FF, n_head=4, n_head_kv=4)
+    random_predictors(tmp / "pred", 3, N_EMBD, N_FF, hidden=(32, 40, 8))  # x8 and row-layout predictors
+    pred = tmp / "pred"
+    return {t: convert(hf, tmp / f"m.{t}.powerinfer.gguf", pred, outtype=t, progress=False)
+            for t in ("f16", "bf16", "q4_0", "q8_0")}
+
+
+def _both(ffn, h, x):
+    """(fused output, python output) and the counters each added."""
+    assert ffn.fused() is not None
+    ffn.reset_stats()
+    ffn.count_fired = True
+    fused = ffn(h, x)
+    counts = (ffn.n_active, ffn.n_fired, ffn.n_calls)
+    ffn.reset_stats()
+    ref = ffn(h, x, ffn.predict(h))  # an explicit mask takes the Python path
+    return fused, ref, counts, (ffn.n_active, ffn.n_fired, ffn.n_calls)
+
+
+@pytest.mark.parametrize("kind", ["f16", "bf16", "q4_0", "q8_0"])
+def test_fused_call_equals_python_path(lib, files, kind):
+    model = Transformer(open_gguf(files[kind]), torch.float32)
+    g = torch.Generator().manual_seed(3)
+    for layer in model.layers:
+        h, x = torch.randn(1, N_EMBD, generator=g), torch.randn(1, N_EMBD, generator=g)
+        fused, ref, c1, c2 = _both(layer.ffn, h, x)
+        assert fused.shape == (1, N_EMBD) and fused.dtype == torch.float32
+        assert torch.allclose(fused, ref, rtol=0, atol=1e-5 * max(1.0, ref.abs().max().item()))
+        assert c1 == c2 and 0 < c1[1] < c1[0] < N_FF  # some neurons predicted, fewer fired
+
+
+@pytest.mark.parametrize("ffn_kind,act", [("dreglu", Activation("relu")), ("reglu", Activation("fatrelu", 0.3)),
+                                          ("relu", Activation("relu"))])
+def test_fused_call_covers_each_ffn_kind_and_activation(files, ffn_kind, act):
+    model = Transformer(open_gguf(files["q4_0"]), torch.float32)
+    ffn = model.layers[1].ffn
+    ffn.family = dataclasses.replace(ffn.family, ffn=ffn_kind)
+    ffn.act = act
+    ffn.__dict__.pop("gate_min", None)
+    if ffn_kind == "relu":
+        ffn.gate = None
+    h, x = torch.randn(1, N_EMBD), torch.randn(1, N_EMBD)
+    fused, ref, c1, c2 = _both(ffn, h, x)
+    assert torch.allclose(fused, ref, rtol=0, atol=1e-5 * max(1.0, ref.abs().max().item())) and c1 == c2
+
+
+def test_python_path_where_the_call_cannot_run(files):
+    model = Transformer(open_gguf(files["q4_0"]), torch.float32)
+    ffn = model.layers[0].ffn
+    assert ffn.fused() is not None
+    ffn.up_b = torch.zeros(N_FF)  # biases: the Python path
+    ffn.threshold = ffn.threshold  # (the key also follows weights, not only flags)
+    ffn._fused_key = None
+    assert ffn.fused() is None
+    ffn.up_b = None
+    ffn.act = Activation("silu")
+    ffn._fused_key = None
+    assert ffn.fused() is None
+    saved = kernels.backend()
+    try:
+        kernels.set_backend("torch")
+        assert Transformer(open_gguf(files["q4_0"]), torch.float32).layers[0].ffn.fused() is None
+    finally:
+        kernels.set_backend(saved)
