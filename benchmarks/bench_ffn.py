@@ -16,16 +16,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_bench_model import power_law_probs  # noqa: E402
-
+from powerinfer.synthetic import power_law_probs  # noqa: E402
 from powerinfer.families import Activation, family_for_gguf_arch  # noqa: E402
 from powerinfer.runtime import kernels  # noqa: E402
 from powerinfer.runtime.ffn import FFN  # noqa: E402

@@ -304,3 +304,53 @@ def test_convert_for_pi_run_leaves_out_the_upstream_warnings(tmp_path, caplog):
         r = CliRunner().invoke(main, [str(DEMO_MODEL), "--outfile", str(tmp_path / "b.gguf"), "--for-pi-run"])
     assert r.exit_code == 0, r.output
     assert caplog.messages == []
+
+
+def test_demo_script_asks_for_the_tokens_its_text_holds():
+    """recipes/demo.sh's --max-tokens/--heldout-tokens on the bundled text: no shortfall note, and
+    every token of each split used (the figures the README gives are those of the whole text)."""
+    from powerinfer.calibrate.plan import build_plan, shortfall_notes
+    from powerinfer.hf import load_hf_tokenizer
+
+    script = (ROOT / "recipes" / "demo.sh").read_text()
+    caps = {"train": int(re.search(r"--max-tokens (\d+)", script)[1]),
+            "heldout": int(re.search(r"--heldout-tokens (\d+)", script)[1])}
+    assert len(re.findall(r"^pi-convert .*--for-pi-run$", script, re.M)) == 2
+    tok = load_hf_tokenizer(DEMO_MODEL)
+    plan = build_plan(str(DEMO_CALIBRATION), tok, caps, 256, 16)
+    assert shortfall_notes(plan, caps, "demo") == []
+    whole = build_plan(str(DEMO_CALIBRATION), tok, {"train": None, "heldout": None}, 256, 16)
+    assert plan.n_tokens == whole.n_tokens
+
+
+# ------------------------------------------------------------------ the speed stage, on a small shape
+def test_speed_demo_builds_measures_and_reuses(tmp_path, monkeypatch, caplog):
+    from powerinfer import speed_demo
+    from powerinfer.synthetic import Shape
+
+    monkeypatch.setattr(speed_demo, "demo_shape", lambda: Shape(n_layer=1, n_embd=64, n_ff=256, n_head=4,
+                                                                n_vocab=512, n_ctx=512, hidden=32,
+                                                                calib_tokens=128))
+    out = tmp_path / "speed"
+    with caplog.at_level(logging.WARNING):
+        r = CliRunner().invoke(speed_demo.main, [str(out), "-n", "8", "--rounds", "2"])
+    assert r.exit_code == 0, r.output
+    assert caplog.messages == []
+    m = re.search(r"sparse: ([\d.]+) tok/s, computing ([\d.]+)% of the FFN neurons", r.output)
+    assert m and float(m[1]) > 0 and 0 < float(m[2]) < 100
+    assert re.search(r"dense: +[\d.]+ tok/s, computing 100%", r.output)
+    assert re.search(r"sparse is \d+\.\dx dense", r.output)
+    assert "Why the stories model above does not gain" in r.output
+    assert (out / "speed.powerinfer.gguf").is_file() and (out / "speed.gguf").is_file()
+    assert not (out / "hf").exists() and not (out / "predictor").exists()  # the large intermediates go
+    res = json.loads((out / "speed_result.json").read_text())
+    assert res["rounds"] == 2 and res["ratio"] == pytest.approx(res["sparse_tps"] / res["dense_tps"])
+    r = CliRunner().invoke(speed_demo.main, [str(out), "-n", "8", "--rounds", "1"])
+    assert r.exit_code == 0 and "reused" in r.output, r.output
+
+
+def test_speed_demo_refuses_bad_values_at_once(tmp_path):
+    from powerinfer import speed_demo
+
+    r = CliRunner().invoke(speed_demo.main, [str(tmp_path / "s"), "-t", "1000"])
+    assert r.exit_code == 1 and "-t 1000" in r.output and not (tmp_path / "s").exists()
