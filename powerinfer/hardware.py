@@ -8,7 +8,9 @@ from __future__ import annotations
 import platform
 from functools import lru_cache
 
-__all__ = ["cpu_flags", "cpu_has_bf16", "release_memory"]
+__all__ = ["cpu_flags", "cpu_has_bf16", "missing_simd", "release_memory"]
+
+SIMD = ("avx2", "fma", "f16c")  # what the C kernels' vector paths need on x86-64 (qkernels.c: PI_AVX2)
 
 
 @lru_cache(maxsize=1)
@@ -31,6 +33,17 @@ def cpu_has_bf16(flags: frozenset[str] | set[str] | None = None) -> bool:
     if {"avx512_bf16", "amx_bf16"} & set(flags):
         return True
     return platform.machine().lower() in ("aarch64", "arm64") and "bf16" in flags
+
+
+def missing_simd(flags: frozenset[str] | set[str] | None = None, machine: str | None = None) -> list[str]:
+    """The x86 features of :data:`SIMD` this CPU lacks (then the C kernels compile their
+    portable scalar code, which is correct but several times slower); [] elsewhere or when
+    the flags cannot be read."""
+    flags = cpu_flags() if flags is None else flags
+    machine = (machine or platform.machine()).lower()
+    if machine not in ("x86_64", "amd64") or not flags:
+        return []
+    return [f for f in SIMD if f not in flags]
 
 
 def release_memory() -> None:

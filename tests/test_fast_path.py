@@ -237,3 +237,23 @@ def test_default_threads_one_for_small_models_all_cores_for_big(all_active_file,
     assert loading.default_threads(model) == 1
     monkeypatch.setattr(loading, "SMALL_MODEL_BYTES", 0)
     assert loading.default_threads(model) == torch.get_num_threads()
+
+
+def test_a_cpu_without_avx2_is_told_once_that_the_kernels_run_scalar(capsys, monkeypatch):
+    from powerinfer import hardware
+
+    assert hardware.missing_simd({"sse2", "avx", "fma"}, "x86_64") == ["avx2", "f16c"]
+    assert hardware.missing_simd({"avx2", "fma", "f16c", "sse2"}, "x86_64") == []
+    assert hardware.missing_simd({"asimd", "fp"}, "aarch64") == []  # no x86 vector path to miss
+    assert hardware.missing_simd(set(), "x86_64") == []  # flags unreadable: nothing to say
+    saved = kernels.backend()
+    monkeypatch.setattr(hardware, "missing_simd", lambda: ["avx2"])
+    monkeypatch.setitem(kernels._state, "simd_noted", False)
+    try:
+        kernels.set_backend("auto")
+        kernels.set_backend("auto")
+    finally:
+        kernels.set_backend(saved)
+    err = capsys.readouterr().err
+    if kernels._state["lib"] is not None:
+        assert err.count("no AVX2: the C kernels run their portable scalar code") == 1

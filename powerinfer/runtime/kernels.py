@@ -139,6 +139,13 @@ def set_backend(name: str = "auto") -> str:
                 print(f"note: C kernels unavailable ({e}); decoding with torch ops", file=sys.stderr)
     if name == "c" and _state["lib"] is None:
         raise RuntimeError(f"C kernels unavailable: {_state['error']}")
+    if _state["lib"] is not None and not _state.get("simd_noted"):
+        from ..hardware import missing_simd
+
+        _state["simd_noted"] = True
+        if missing := missing_simd():  # said once per process; -march=native then leaves the vector paths out
+            print(f"note: this CPU has no {'/'.join(f.upper() for f in missing)}: the C kernels run their portable "
+                  "scalar code (correct, several times slower than on an AVX2 CPU)", file=sys.stderr)
     _state["backend"] = "c" if name != "torch" and _state["lib"] is not None else "torch"
     return _state["backend"]
 

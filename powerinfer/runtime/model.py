@@ -133,12 +133,16 @@ def rope_tables(n_ctx: int, n_rot: int, base: float) -> tuple[torch.Tensor, torc
     return ang.cos(), ang.sin()
 
 
+_RMS_NORM = getattr(F, "rms_norm", None)  # torch >= 2.4
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """GGML normal mode: rotate adjacent pairs ``(x[2i], x[2i+1])``. ``x``: ``[T, H, d]``; cos/sin ``[T, d/2]``."""
-    xf = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = xf[..., 0], xf[..., 1]
-    c, s = cos[:, None, :], sin[:, None, :]
-    out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+    """GGML normal mode: rotate adjacent pairs ``(x[2i], x[2i+1])``. ``x``: ``[T, H, d]``; cos/sin ``[T, d/2]``.
+
+    Each pair is a complex number times ``cos + i sin`` (``x0 c - x1 s``, ``x0 s + x1 c``, the
+    same products and sums): 4 torch operations instead of 12 (a decode step's Python cost)."""
+    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    out = torch.view_as_real(xc * torch.complex(cos, sin)[:, None, :]).flatten(-2)
     return out.to(x.dtype)
 
 
@@ -151,6 +155,8 @@ def apply_rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32 and w.dtype == torch.float32 and _RMS_NORM is not None:
+        return _RMS_NORM(x, (x.shape[-1],), w, eps)  # one fused op: x rsqrt(mean(x^2) + eps) w
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
 
