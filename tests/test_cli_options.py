@@ -354,3 +354,15 @@ def test_speed_demo_refuses_bad_values_at_once(tmp_path):
 
     r = CliRunner().invoke(speed_demo.main, [str(tmp_path / "s"), "-t", "1000"])
     assert r.exit_code == 1 and "-t 1000" in r.output and not (tmp_path / "s").exists()
+
+
+def test_pi_perplexity_prints_no_nan_uncertainty_for_one_scored_token(demo_gguf):
+    """-c 4 scores one token per chunk: no spread to estimate, so the PPL alone (never '+/- nan')."""
+    from powerinfer.eval.cli import main
+
+    r = CliRunner().invoke(main, ["-m", str(demo_gguf), "-f", str(DEMO_CALIBRATION), "-c", "4", "--chunks", "1"])
+    assert r.exit_code == 0, r.output
+    assert re.search(r"^Final estimate: PPL = \d+\.\d{4}$", r.output, re.M) and "nan" not in r.output.lower()
+    r = CliRunner().invoke(main, ["-m", str(demo_gguf), "-f", str(DEMO_CALIBRATION), "-c", "4", "--chunks", "1",
+                                  "--compare"])
+    assert r.exit_code == 1 and "no predictors" in r.output  # a dense file: --compare refused as before

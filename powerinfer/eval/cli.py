@@ -16,6 +16,7 @@ on a dense GGUF (no predictors) are an error.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from dataclasses import dataclass
 
@@ -52,9 +53,9 @@ def _progress(label: str):
     tty = sys.stderr.isatty()
 
     def on_chunk(c: ChunkInfo) -> None:
-        tps = c.n_ctx / c.seconds if c.seconds > 0 else float("inf")
         if not tty:
-            sys.stderr.write(f"{label}: chunk {c.index}/{c.n_chunks}: {c.seconds:.2f} s ({tps:.0f} tokens/s), "
+            tps = f" ({c.n_ctx / c.seconds:.0f} tokens/s)" if c.seconds > 0 else ""
+            sys.stderr.write(f"{label}: chunk {c.index}/{c.n_chunks}: {c.seconds:.2f} s{tps}, "
                              f"running PPL {c.running_ppl:.4f}\n")
         elif c.index == 1:  # before the first value, as llama.cpp prints it
             eta = c.seconds * (c.n_chunks - 1)
@@ -107,7 +108,9 @@ def _evaluate(s: Setup, mode: str, chunks: list[list[int]] | None, model=None, t
 
 
 def _final(res: PerplexityResult) -> None:
-    sys.stdout.write(f"Final estimate: PPL = {res.ppl:.4f} +/- {res.stderr:.5f}\n")
+    # no uncertainty from a single scored token (or no spread): the PPL alone, never "+/- nan"
+    err = "" if math.isnan(res.stderr) else f" +/- {res.stderr:.5f}"
+    sys.stdout.write(f"Final estimate: PPL = {res.ppl:.4f}{err}\n")
     sys.stdout.flush()
 
 
@@ -121,7 +124,7 @@ def compare_table(results: dict[str, PerplexityResult]) -> str:
     rows = [("mode", "PPL", "+/-", "vs dense", "FFN neurons computed")]
     for mode, r in results.items():
         delta = "-" if mode == "dense" else f"{100 * (r.ppl / base - 1):+.3f}%"
-        rows.append((mode, f"{r.ppl:.4f}", f"{r.stderr:.5f}", delta, _share(r)))
+        rows.append((mode, f"{r.ppl:.4f}", "-" if math.isnan(r.stderr) else f"{r.stderr:.5f}", delta, _share(r)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows) + "\n"
 
