@@ -1,6 +1,7 @@
 """Calibration sources (powerinfer.data): text of any suffix, paragraphs, refusals, held-out splits."""
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 
@@ -13,7 +14,7 @@ from powerinfer.data import (MIN_SPLIT_TOKENS, calibration_batches, count_docume
 from powerinfer.errors import PowerInferError
 from powerinfer.hf import load_hf_tokenizer
 
-from helpers import ROOT, STORIES, TEXT, need, story_text
+from helpers import DATA, ROOT, STORIES, TEXT, need, story_text
 
 BUNDLED = ROOT / "powerinfer" / "assets" / "stories260K-relu"
 WIKITEXT = TEXT / "wiki.test.raw"
@@ -35,6 +36,22 @@ def _paragraphs(text: str) -> list[str]:
     """Hand count: groups of lines between lines that are empty or whitespace only."""
     groups = itertools.groupby(text.split("\n"), key=lambda line: line.strip() == "")
     return ["\n".join(lines).strip() for blank, lines in groups if not blank]
+
+
+# --------------------------------------------------------------------------- the test data itself
+def test_every_test_data_file_is_listed_with_its_sha256():
+    """tests/data holds exactly the files of SHA256SUMS, byte for byte (a checkout that rewrote
+    line ends, or a file added without its provenance in tests/data/README.md, fails here)."""
+    listed = {}
+    for line in need(DATA / "SHA256SUMS").read_text().splitlines():
+        digest, name = line.split("  ", 1)
+        listed[name] = digest
+    present = {p.relative_to(DATA).as_posix() for p in DATA.rglob("*") if p.is_file()} - {"SHA256SUMS", "README.md"}
+    assert sorted(present) == sorted(listed)
+    readme = (DATA / "README.md").read_text()
+    for name, digest in listed.items():
+        assert hashlib.sha256((DATA / name).read_bytes()).hexdigest() == digest, name
+        assert digest in readme, name  # each file's source and licence are given there
 
 
 # --------------------------------------------------------------------------- any text suffix
