@@ -340,7 +340,7 @@ def test_speed_demo_builds_measures_and_reuses(tmp_path, monkeypatch, caplog):
     assert m and float(m[1]) > 0 and 0 < float(m[2]) < 100
     assert re.search(r"dense: +[\d.]+ tok/s, computing 100%", r.output)
     assert re.search(r"sparse is \d+\.\dx dense", r.output)
-    assert "Why the stories model above does not gain" in r.output
+    assert "Why the stories model above gains little" in r.output
     assert (out / "speed.powerinfer.gguf").is_file() and (out / "speed.gguf").is_file()
     assert not (out / "hf").exists() and not (out / "predictor").exists()  # the large intermediates go
     res = json.loads((out / "speed_result.json").read_text())
