@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -15,6 +16,16 @@ from helpers import STORIES, need
 # collection order: a long file collected last would finish alone after everything else.
 SLOW_FIRST = ("test_demo_model.py", "test_kill9.py", "test_calibrate.py", "test_server.py", "test_chat.py",
               "test_gguf_validate.py", "test_profile.py", "test_train_predictor.py", "test_gpuidx.py")
+
+
+def pytest_configure(config):
+    """Under ``-n``, the workers already fill the cores: each computes with its share of them
+    (two workers with two OpenMP threads each on two cores mostly wait for each other)."""
+    n_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if n_workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, torch.get_num_threads() // n_workers))
 
 
 def pytest_collection_modifyitems(config, items):
