@@ -112,22 +112,13 @@ static inline __m256i q0_quants(int qt, const uint8_t *blk) {
 /* One Q4_0 or Q8_0 row . the q8 activation (inlined with a constant qt: one loop per type). */
 static inline float dot_q0(int qt, const uint8_t *row, const int8_t *xq, const float *xd, int64_t nb) {
     const int64_t bb = qt == QT_Q4_0 ? 18 : 34;
-    __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();  /* two FMA chains */
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        const uint8_t *blk = row + b * bb, *blk2 = blk + bb;
-        const __m256 s = _mm256_set1_ps(h2f(rd16(blk)) * xd[b]);
-        const __m256 s2 = _mm256_set1_ps(h2f(rd16(blk2)) * xd[b + 1]);
-        acc = _mm256_fmadd_ps(s, dot_i8(q0_quants(qt, blk), _mm256_loadu_si256((const __m256i *)(xq + b * QK))), acc);
-        acc2 = _mm256_fmadd_ps(s2, dot_i8(q0_quants(qt, blk2), _mm256_loadu_si256((const __m256i *)(xq + b * QK + QK))),
-                               acc2);
-    }
-    for (; b < nb; b++) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * bb;
         const __m256 s = _mm256_set1_ps(h2f(rd16(blk)) * xd[b]);
         acc = _mm256_fmadd_ps(s, dot_i8(q0_quants(qt, blk), _mm256_loadu_si256((const __m256i *)(xq + b * QK))), acc);
     }
-    return hsum8(_mm256_add_ps(acc, acc2));
+    return hsum8(acc);
 }
 #endif
 
