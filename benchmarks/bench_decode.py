@@ -272,6 +272,32 @@ def table(engines: list[Engine], threads: int) -> str:
     return "\n".join(lines)
 
 
+def interleave(engines: list[Engine], ids: list[int], n: int, rounds: int, threads: int,
+               idle_wait: float = 0.0) -> None:
+    """Warm every engine up, then ``rounds`` rounds of ``n`` decode tokens each, the order
+    rotating every round, a read-bandwidth probe around each run; prints each run and the
+    table for ``threads``. Engines with a ``note`` (not available) are left out."""
+    torch.set_num_threads(threads)
+    live = [e for e in engines if not e.note]
+    for e in live:
+        e.setup(threads)
+        e.run(ids, 4)  # warm-up: page in weights, build kernels
+    for r in range(rounds):
+        if idle_wait > 0:
+            wait_idle(idle_wait)
+        for e in live[r % len(live):] + live[: r % len(live)]:
+            bw0 = read_bandwidth()
+            run = e.run(ids, n)
+            run.bw = (bw0 + read_bandwidth()) / 2
+            e.runs.setdefault(threads, []).append(run)
+            print(f"  round {r + 1} t{threads} {e.name}: decode {run.decode_tps:.2f} tok/s, prompt "
+                  f"{run.prompt_tps:.1f} tok/s, bw {run.bw:.1f} GB/s", flush=True)
+        if idle_wait > 0:
+            print(f"  (after round {r + 1}: {busy_cores(0.5):.2f} cores busy besides this benchmark)")
+    print(f"\n{threads} thread{'s' if threads > 1 else ''} (load average {load_avg()}):")
+    print(table(engines, threads) + "\n", flush=True)
+
+
 def prepare_demo(out: Path) -> tuple[Path, Path, Path, str]:
     """The demo model's PWRI + dense GGUF and HF folder: the demo pipeline's output if present,
     else predictors trained here with pi-train-predictor on stories260K switched to ReLU."""
@@ -443,26 +469,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{a.rounds} rounds; load average {load_avg()}")
     gc.collect()
     for threads in (int(t) for t in a.threads.split(",")):
-        torch.set_num_threads(threads)
-        live = [e for e in engines if not e.note]
-        for e in live:
-            e.setup(threads)
-            e.run(ids, 4)  # warm-up: page in weights, build kernels
-        for r in range(a.rounds):
-            if a.wait_idle > 0:
-                wait_idle(a.wait_idle)
-            order = live[r % len(live):] + live[: r % len(live)]
-            for e in order:
-                bw0 = read_bandwidth()
-                run = e.run(ids, a.n_decode)
-                run.bw = (bw0 + read_bandwidth()) / 2
-                e.runs.setdefault(threads, []).append(run)
-                print(f"  round {r + 1} t{threads} {e.name}: decode {run.decode_tps:.1f} tok/s, "
-                      f"bw {run.bw:.1f} GB/s", flush=True)
-            if a.wait_idle > 0:
-                print(f"  (after round {r + 1}: {busy_cores(0.5):.2f} cores busy besides this benchmark)")
-        print(f"\n{threads} thread{'s' if threads > 1 else ''} (load average {load_avg()}):")
-        print(table(engines, threads) + "\n", flush=True)
+        interleave(engines, ids, a.n_decode, a.rounds, threads, a.wait_idle)
     for e in engines:
         e.close()
     if a.rss:

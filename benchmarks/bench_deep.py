@@ -29,11 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import PROMPT, Engine, PiEngine, Run, UpstreamEngine, load_avg, table  # noqa: E402
-from bench_ffn import read_bandwidth  # noqa: E402
+from bench_decode import PROMPT, Engine, PiEngine, Run, UpstreamEngine, interleave, load_avg  # noqa: E402
 
 from powerinfer.formats.gguf_file import open_gguf  # noqa: E402
 from powerinfer.runtime.tokenizer import GGUFTokenizer  # noqa: E402
@@ -87,22 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{a.sparse.name}: {a.n_prompt} prompt + {a.n_decode} decode tokens, {a.rounds} rounds; "
           f"load average {load_avg()}", flush=True)
     for threads in (int(t) for t in a.threads.split(",")):
-        torch.set_num_threads(threads)
-        for e in engines:
-            e.setup(threads)
-            e.run(ids, 4)  # warm-up: page the weights in
-        for r in range(a.rounds):
-            order = engines[r % len(engines):] + engines[: r % len(engines)]
-            for e in order:
-                bw0 = read_bandwidth()
-                run = e.run(ids, a.n_decode)
-                run.bw = (bw0 + read_bandwidth()) / 2
-                e.runs.setdefault(threads, []).append(run)
-                print(f"  round {r + 1} t{threads} {e.name}: decode {run.decode_tps:.2f} tok/s, "
-                      f"prompt {run.prompt_tps:.1f} tok/s", flush=True)
-        print(f"\n{threads} thread{'s' if threads > 1 else ''} (load average {load_avg()}):")
-        print(table(engines, threads) + "\n", flush=True)
-
+        interleave(engines, ids, a.n_decode, a.rounds, threads)
 
 if __name__ == "__main__":
     main()

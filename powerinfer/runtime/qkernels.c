@@ -226,22 +226,6 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
     return acc;
 }
 
-static inline float dot_f16(const uint8_t *row, const float *x, int64_t K) {
-    const uint16_t *h = (const uint16_t *)row;
-    int64_t i = 0;
-    float acc = 0.f;
-#ifdef PI_AVX2
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    for (; i + 16 <= K; i += 16) {
-        a0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))), _mm256_loadu_ps(x + i), a0);
-        a1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i + 8))), _mm256_loadu_ps(x + i + 8), a1);
-    }
-    acc = hsum8(_mm256_add_ps(a0, a1));
-#endif
-    for (; i < K; i++) acc += h2f(h[i]) * x[i];
-    return acc;
-}
-
 #ifdef PI_AVX2
 /* 8 bfloat16 -> 8 fp32: the 16 bits become the high half of each fp32 */
 static inline __m256 bf16x8(const uint16_t *p) {
@@ -253,19 +237,20 @@ static inline __m256 load16x8(int qt, const uint16_t *p) {
 }
 #endif
 
-static inline float dot_bf16(const uint8_t *row, const float *x, int64_t K) {
+/* One f16 or bf16 row . x: converted in registers (F16C, or the 16-bit shift), fp32 sums. */
+static inline float dot_16(int qt, const uint8_t *row, const float *x, int64_t K) {
     const uint16_t *h = (const uint16_t *)row;
     int64_t i = 0;
     float acc = 0.f;
 #ifdef PI_AVX2
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     for (; i + 16 <= K; i += 16) {
-        a0 = _mm256_fmadd_ps(bf16x8(h + i), _mm256_loadu_ps(x + i), a0);
-        a1 = _mm256_fmadd_ps(bf16x8(h + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+        a0 = _mm256_fmadd_ps(load16x8(qt, h + i), _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(load16x8(qt, h + i + 8), _mm256_loadu_ps(x + i + 8), a1);
     }
     acc = hsum8(_mm256_add_ps(a0, a1));
 #endif
-    for (; i < K; i++) acc += b2f(h[i]) * x[i];
+    for (; i < K; i++) acc += (qt == QT_BF16 ? b2f(h[i]) : h2f(h[i])) * x[i];
     return acc;
 }
 
@@ -430,8 +415,7 @@ static inline float row_dot(int qt, const uint8_t *row, act_t a, int64_t K) {
         case QT_Q8_0: return dot_q8_0(row, a.xq, a.xd, K / QK);
         case QT_Q4_K: return dot_q4_K(row, a, K / QKK);
         case QT_Q6_K: return dot_q6_K(row, a, K / QKK);
-        case QT_BF16: return dot_bf16(row, a.x, K);
-        default: return dot_f16(row, a.x, K);
+        default: return dot_16(qt, row, a.x, K);
     }
 }
 
