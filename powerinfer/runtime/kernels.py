@@ -9,10 +9,12 @@ speed limit is the bytes of weights read per token. Three operations cover it:
 * :func:`rows_axpy`: ``sum_i coef[i] * down_t[idx[i]]``, one AXPY per active neuron;
 * :func:`attend_one`: one query token against the KV cache (decode attention).
 
-Each op also takes a :class:`powerinfer.quant.qweight.QWeight` (Q4_0, Q8_0, Q4_K, Q6_K or
-f16 bytes kept in the file's memory map) and computes on it in place with
+Each op also takes a :class:`powerinfer.quant.qweight.QWeight` (Q4_0, Q8_0, Q4_K, Q6_K, f16
+or bf16 bytes kept in the file's memory map) and computes on it in place with
 ``qkernels.c``: block-quantized products quantize the activation to 8-bit blocks once per
-product (as ggml does) and sum integers per block; f16 rows convert to fp32. Prompts of
+product (as ggml does) and sum integers per block; f16 rows convert to fp32 in registers
+(F16C), bf16 rows by a 16-bit shift. :class:`SparseFFNCall` runs one token's whole sparse
+FFN (predictor, selection, rows, down) in one call (``sparse_ffn.c``). Prompts of
 more than :data:`QGEMM_MAX_T` tokens dequantize :data:`TILE_ROWS` rows at a time to fp32
 and use torch matmuls (compute-bound there) on the activation rounded as the kernels round
 it, so prompt and decode give the same numbers; :func:`matmul` does ``hidden @ down_t``
