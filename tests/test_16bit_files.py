@@ -75,13 +75,21 @@ def test_logits_equal_the_same_values_in_f32(lib, files, kind, dense):
     assert (got - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
 
 
-def test_bf16_file_values_are_f32_rounded_to_nearest_even(files, tmp_path):
+def test_bf16_file_values_are_f32_rounded_to_nearest_even(files):
+    """Every value of a bf16 matrix is the checkpoint's f32 value rounded to nearest even (as
+    torch rounds to bfloat16), bit for bit; 1-D tensors stay f32."""
+    from safetensors.torch import load_file
+
+    hf = load_file(str(files["bf16"].parent / "hf" / "model.safetensors"))
     g = open_gguf(files["bf16"])
-    t = g.tensors["blk.0.ffn_up.weight"]
-    u16 = np.asarray(t.data).view(np.uint16)
-    f32 = (u16.astype(np.uint32) << 16).view(np.float32)
-    assert np.isfinite(f32).all() and f32.std() > 0
-    assert g.tensors["blk.0.attn_norm.weight"].tensor_type.name == "F32"  # 1-D stays f32
+    for gguf_name, hf_name in (("blk.0.ffn_up.weight", "model.layers.0.mlp.up_proj.weight"),
+                               ("blk.1.ffn_gate.weight", "model.layers.1.mlp.gate_proj.weight")):
+        t = g.tensors[gguf_name]
+        assert t.tensor_type.name == "BF16"
+        got = np.asarray(t.data).view(np.uint16).reshape(N_FF, N_EMBD)
+        want = hf[hf_name].float().to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        assert np.array_equal(got, want)
+    assert g.tensors["blk.0.attn_norm.weight"].tensor_type.name == "F32"
 
 
 def test_bf16_matrix_with_nan_is_refused_naming_the_tensor_and_row(files, tmp_path):
