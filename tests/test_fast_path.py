@@ -247,6 +247,8 @@ def test_a_cpu_without_avx2_is_told_once_that_the_kernels_run_scalar(capsys, mon
     assert hardware.missing_simd({"asimd", "fp"}, "aarch64") == []  # no x86 vector path to miss
     assert hardware.missing_simd(set(), "x86_64") == []  # flags unreadable: nothing to say
     saved = kernels.backend()
+    if kernels._state["lib"] is None:
+        pytest.skip("no C compiler: no kernels to warn about")
     monkeypatch.setattr(hardware, "missing_simd", lambda: ["avx2"])
     monkeypatch.setitem(kernels._state, "simd_noted", False)
     try:
@@ -254,6 +256,4 @@ def test_a_cpu_without_avx2_is_told_once_that_the_kernels_run_scalar(capsys, mon
         kernels.set_backend("auto")
     finally:
         kernels.set_backend(saved)
-    err = capsys.readouterr().err
-    if kernels._state["lib"] is not None:
-        assert err.count("no AVX2: the C kernels run their portable scalar code") == 1
+    assert capsys.readouterr().err.count("no AVX2: the C kernels run their portable scalar code") == 1

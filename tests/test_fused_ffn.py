@@ -71,13 +71,11 @@ def test_python_path_where_the_call_cannot_run(files):
     model = Transformer(open_gguf(files["q4_0"]), torch.float32)
     ffn = model.layers[0].ffn
     assert ffn.fused() is not None
-    ffn.up_b = torch.zeros(N_FF)  # biases: the Python path
-    ffn.threshold = ffn.threshold  # (the key also follows weights, not only flags)
-    ffn._fused_key = None
+    ffn.up_b = torch.zeros(N_FF)  # biases: the Python path (the call is rebuilt when they change)
     assert ffn.fused() is None
     ffn.up_b = None
-    ffn.act = Activation("silu")
-    ffn._fused_key = None
+    assert ffn.fused() is not None
+    ffn.act = Activation("silu")  # a dense activation: the Python path
     assert ffn.fused() is None
     saved = kernels.backend()
     try:

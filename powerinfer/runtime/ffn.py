@@ -94,9 +94,10 @@ class FFN:
 
     def fused(self) -> "kernels.SparseFFNCall | None":
         """The one-call C path for a decode step of this FFN, or None when its weights need the
-        Python path (rebuilt when the weights or the threshold are replaced)."""
-        key = (id(self.fc1), id(self.fc2), id(self.gate), id(self.up), id(self.down_t), self.threshold,
-               kernels.backend())
+        Python path (rebuilt when a weight, bias, the activation, the FFN kind, the threshold or
+        the kernel backend is replaced)."""
+        key = (id(self.fc1), id(self.fc2), id(self.gate), id(self.up), id(self.down_t), id(self.gate_b),
+               id(self.up_b), id(self.down_b), self.act, self.family.ffn, self.threshold, kernels.backend())
         if getattr(self, "_fused_key", None) != key:
             biases = any(b is not None for b in (self.gate_b, self.up_b, self.down_b))
             self._fused_call = None if not self.sparse else kernels.SparseFFNCall.make(

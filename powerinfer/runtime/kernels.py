@@ -385,10 +385,8 @@ class SparseFFNCall:
             return None
         if (gate is None) != (family_ffn == "relu"):
             return None
-        for w in (fc1, fc2):
-            if not (isinstance(w, QWeight) and w.btype.name in _QT and not w.transposed and w.raw.is_contiguous()
-                    and w.raw.device.type == "cpu"):
-                return None
+        if not all(isinstance(w, QWeight) and (w.layout == "x8" or _q_c_ok(w)) for w in (fc1, fc2)):
+            return None  # x8 weights are always contiguous CPU copies (for_dense_products)
         return SparseFFNCall(_FFN_KINDS[family_ffn], _ACTS[act_kind], float(act_thr),
                              -math.inf if gmin is None else float(gmin), float(threshold), fc1, fc2, gate, up, down_t)
 

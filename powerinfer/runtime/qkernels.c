@@ -720,15 +720,11 @@ void pi_q_axpy_rows(int qt, const void *W, const int64_t *idx, const float *coef
         const int64_t pb0 = d0 / block_values(qt) * block_bytes(qt), pbn = (d1 - d0) / block_values(qt) * block_bytes(qt);
         int64_t r = 0;
 #ifdef PI_AVX2
-        if (is_q0(qt))
+        if (is_q0(qt) || (is_16bit(qt) && d0 % 8 == 0 && d1 % 8 == 0))
             for (; r + 4 <= m && d0 < d1; r += 4) {
                 for (int64_t s = r + 4; s < r + 8 && s < m; s++) prefetch_row(rows[s] + pb0, pbn);
-                axpy4_q(qt, rows + r, cs + r, d0, d1, out);
-            }
-        else if (is_16bit(qt) && d0 % 8 == 0 && d1 % 8 == 0)
-            for (; r + 4 <= m && d0 < d1; r += 4) {
-                for (int64_t s = r + 4; s < r + 8 && s < m; s++) prefetch_row(rows[s] + pb0, pbn);
-                axpy4_16(qt, rows + r, cs + r, d0, d1, out);
+                if (is_q0(qt)) axpy4_q(qt, rows + r, cs + r, d0, d1, out);
+                else axpy4_16(qt, rows + r, cs + r, d0, d1, out);
             }
 #endif
         for (; r < m && d0 < d1; r++) {
