@@ -38,6 +38,7 @@ enum { QT_F16 = 2, QT_BF16 = 30, QT_Q4_0 = 10, QT_Q8_0 = 11, QT_Q4_K = 12, QT_Q6
 #define QK 32
 #define QKK 256
 #define PAR_MIN_BYTES (1 << 17) /* below this many weight bytes a call runs on the calling thread */
+#define X8_AHEAD 4096 /* bytes ahead prefetched in the 8-row kernel's stream */
 #ifndef ROWS_AHEAD
 #define ROWS_AHEAD 4 /* rows prefetched ahead in the sparse row passes (2, 4, 8 measured: 4) */
 #endif
@@ -119,6 +120,24 @@ static inline float dot_q0(int qt, const uint8_t *row, const int8_t *xq, const f
         acc = _mm256_fmadd_ps(s, dot_i8(q0_quants(qt, blk), _mm256_loadu_si256((const __m256i *)(xq + b * QK))), acc);
     }
     return hsum8(acc);
+}
+
+/* Four rows . the same activation, each row's sum in exactly dot_q0's order (so the numbers
+ * equal four dot_q0 calls bit for bit): four independent FMA chains instead of one, and the
+ * activation block loaded once for the four (one chain waits on the FMA latency). */
+static inline void dot4_q0(int qt, const uint8_t *const *rows, const int8_t *xq, const float *xd, int64_t nb,
+                           float *out) {
+    const int64_t bb = qt == QT_Q4_0 ? 18 : 34;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+        for (int i = 0; i < 4; i++) {
+            const uint8_t *blk = rows[i] + b * bb;
+            const __m256 s = _mm256_set1_ps(h2f(rd16(blk)) * xd[b]);
+            acc[i] = _mm256_fmadd_ps(s, dot_i8(q0_quants(qt, blk), xv), acc[i]);
+        }
+    }
+    for (int i = 0; i < 4; i++) out[i] = hsum8(acc[i]);
 }
 #endif
 
@@ -538,6 +557,33 @@ void pi_q_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x, int6
     release(acts);
 }
 
+/* y[r] = W[idx[r]] . a for the n rows r in sel (sel NULL: r = 0 .. n-1), in that order: a stream
+ * of independent rows, the next ones prefetched (no read waits on a dot product); Q4_0/Q8_0
+ * rows go four at a time through dot4_q0 (same numbers as one at a time). */
+static void dot_rows(int qt, const uint8_t *W, int64_t rb, const int64_t *idx, const int64_t *sel, int64_t n,
+                     act_t a, int64_t K, float *y) {
+#define ROW_AT(j) (W + idx[sel ? sel[j] : (j)] * rb)
+#define Y_AT(j) y[sel ? sel[j] : (j)]
+    for (int64_t p = 0; p < ROWS_AHEAD && p < n; p++) prefetch_row(ROW_AT(p), rb);
+    int64_t j = 0;
+#ifdef PI_AVX2
+    if (is_q0(qt))
+        for (; j + 4 <= n; j += 4) {
+            for (int64_t p = j + ROWS_AHEAD; p < j + ROWS_AHEAD + 4 && p < n; p++) prefetch_row(ROW_AT(p), rb);
+            const uint8_t *rows[4] = {ROW_AT(j), ROW_AT(j + 1), ROW_AT(j + 2), ROW_AT(j + 3)};
+            float o[4];
+            dot4_q0(qt, rows, a.xq, a.xd, K / QK, o);
+            for (int i = 0; i < 4; i++) Y_AT(j + i) = o[i];
+        }
+#endif
+    for (; j < n; j++) {
+        if (j + ROWS_AHEAD < n) prefetch_row(ROW_AT(j + ROWS_AHEAD), rb);
+        Y_AT(j) = row_dot(qt, ROW_AT(j), a, K);
+    }
+#undef ROW_AT
+#undef Y_AT
+}
+
 /* For r < n: y1[r] = W1[idx[r]] . x, and if W2, y2[r] = W2[idx[r]] . x when y1[r] > gmin
  * (else y2[r] = 0 and the row is not read). W1, W2 [*, K] of type qt; x [K] f32. */
 void pi_q_dot_rows(int qt, const void *W1, const void *W2, const int64_t *idx, int64_t n, int64_t K,
@@ -546,38 +592,23 @@ void pi_q_dot_rows(int qt, const void *W1, const void *W2, const int64_t *idx, i
     const acts_t acts = prepare(qt, x, 1, K);
     const act_t a = act_of(x, acts, 0, K);
     const int par = n * rb * (W2 ? 2 : 1) >= PAR_MIN_BYTES && omp_get_max_threads() > 1;
+    int64_t *pass = W2 ? malloc((size_t)(n + 1) * sizeof(int64_t)) : NULL;
     #pragma omp parallel if (par)
     {
         int64_t r0, r1;
         split(n, omp_get_num_threads(), omp_get_thread_num(), &r0, &r1);
-        /* two passes, each a stream of independent rows with the next ones prefetched: every
-         * W1 row, then the W2 rows of the rows that passed (no read waits on a dot product) */
-        for (int64_t r = r0; r < r1; r++) {
-            for (int64_t p = r + 1; p <= r + ROWS_AHEAD && p < r1; p++)
-                if (p == r + ROWS_AHEAD || r == r0) prefetch_row((const uint8_t *)W1 + idx[p] * rb, rb);
-            y1[r] = row_dot(qt, (const uint8_t *)W1 + idx[r] * rb, a, K);
-        }
+        /* two passes: every W1 row, then the W2 rows of the rows that passed */
+        dot_rows(qt, (const uint8_t *)W1, rb, idx + r0, NULL, r1 - r0, a, K, y1 + r0);
         if (W2) {
-            int64_t next = r0;  /* the next row whose W2 row is read */
-            while (next < r1 && !(gmin == -INFINITY || y1[next] > gmin)) y2[next++] = 0.f;
-            int64_t ahead = next;  /* the last passing row prefetched */
-            for (int k = 0; k < ROWS_AHEAD && ahead < r1; k++) {
-                prefetch_row((const uint8_t *)W2 + idx[ahead] * rb, rb);
-                do ahead++; while (ahead < r1 && !(gmin == -INFINITY || y1[ahead] > gmin));
+            int64_t m = 0;
+            for (int64_t r = r0; r < r1; r++) {
+                if (gmin == -INFINITY || y1[r] > gmin) pass[r0 + m++] = r - r0;
+                else y2[r] = 0.f;
             }
-            for (int64_t r = next; r < r1; r++) {
-                if (!(gmin == -INFINITY || y1[r] > gmin)) {
-                    y2[r] = 0.f;
-                    continue;
-                }
-                if (ahead < r1) {
-                    prefetch_row((const uint8_t *)W2 + idx[ahead] * rb, rb);
-                    do ahead++; while (ahead < r1 && !(gmin == -INFINITY || y1[ahead] > gmin));
-                }
-                y2[r] = row_dot(qt, (const uint8_t *)W2 + idx[r] * rb, a, K);
-            }
+            dot_rows(qt, (const uint8_t *)W2, rb, idx + r0, pass + r0, m, a, K, y2 + r0);
         }
     }
+    free(pass);
     release(acts);
 }
 
@@ -822,6 +853,10 @@ static inline __attribute__((always_inline)) void x8_range_t(int qt, const uint8
 #endif
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *blk = base + b * gb;
+                /* the groups follow each other in memory: the stream X8_AHEAD bytes on is
+                 * requested now (the hardware prefetcher alone keeps 0.63-0.65 of the read
+                 * rate, this 0.86-0.97; 1, 2, 3, 4 and 8 KB measured, 1 thread, AVX2 EPYC) */
+                for (int64_t o = 0; o < gb; o += 64) __builtin_prefetch(blk + X8_AHEAD + o, 0, 3);
 #ifdef PI_AVX2
                 const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
                 __m256i v[8];
