@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-TYPES = ("f32", "f16", "q8_0", "q4_0")
+TYPES = ("f32", "f16", "q8_0", "q4_0", "q8_0/q4_0", "q4_0/q8_0")  # "A/B": fc1 in A, fc2 in B
 
 
 def round_trip(w: torch.Tensor, name: str, qtype: str) -> torch.Tensor:
@@ -70,7 +70,7 @@ def main() -> None:
     preds = load_predictor_dir(args.pred, data.n_layer, data.n_embd, data.n_ff)
     print(f"{args.pred}: {data.n_layer} layers, n_embd {data.n_embd}, n_ff {data.n_ff}, hidden "
           f"{[p.hidden for p in preds]}, {data.n_tokens['heldout']} held-out tokens, threshold {thr}")
-    head = f"{'layer':>5} {'true':>6} | " + " | ".join(f"{t:>6} recall / pred / flips  " for t in TYPES)
+    head = f"{'layer':>5} {'true':>6} | " + " | ".join(f"{t:>9} recall / pred / flips" for t in TYPES)
     print(head)
     print("-" * len(head))
     worst = {t: 0.0 for t in TYPES}
@@ -80,7 +80,8 @@ def main() -> None:
         ref = decisions(lp, x, thr)
         cells, base = [], None
         for t in TYPES:
-            q = LayerPredictor(round_trip(lp.fc1, f"blk.{i}.fc1.weight", t), round_trip(lp.fc2, f"blk.{i}.fc2.weight", t))
+            t1, t2 = t.split("/") if "/" in t else (t, t)
+            q = LayerPredictor(round_trip(lp.fc1, f"blk.{i}.fc1.weight", t1), round_trip(lp.fc2, f"blk.{i}.fc2.weight", t2))
             h = heldout_metrics(q, x, m, data.n_ff, thr)
             flips = float((decisions(q, x, thr) != ref).mean())
             base = base or h
