@@ -122,6 +122,9 @@ def _build(native: bool = True) -> ctypes.CDLL:
         f.restype = None
     lib.pi_q_sparse_ffn.argtypes = [C, C, P, I, C, C, P, F32, C, C, P, P, P, I, I, C, F32, F32, P, P, P, P, P, P, P]
     lib.pi_q_sparse_ffn.restype = I
+    lib.pi_q_dot_rows_multi.argtypes = [C, P, P, P, I, I, P, I, P, P, P, F32]
+    lib.pi_q_axpy_rows_multi.argtypes = [C, P, P, P, I, I, I, P, I]
+    lib.pi_q_dot_rows_multi.restype = lib.pi_q_axpy_rows_multi.restype = None
     return lib
 
 
@@ -339,6 +342,41 @@ def rows_axpy(idx: torch.Tensor, w, coef: torch.Tensor) -> torch.Tensor:
     if idx.numel() == 0:
         return torch.zeros(w.shape[1], dtype=w.dtype)
     return F.embedding_bag(idx[None], w, per_sample_weights=coef.to(w.dtype)[None], mode="sum")[0]
+
+
+def rows_dot_multi(x: torch.Tensor, idx: torch.Tensor, sel: torch.Tensor, a: QWeight, b: QWeight | None = None,
+                   gmin: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`rows_dot` for ``T`` tokens at once over a shared row set: ``x`` ``[T, K]``, ``idx``
+    LongTensor ``[n]`` ascending, ``sel`` bool ``[T, n]`` (which rows each token computes) ->
+    fp32 ``[T, n]`` each, 0 where not selected. Each row is read once for all tokens; a token's
+    values equal what :func:`rows_dot` gives it alone, bit for bit. C backend, ``a`` (and ``b``,
+    of the same type) QWeights in row layout (:func:`_q_c_ok`) only; ValueError otherwise."""
+    if not _q_c_ok(a) or (b is not None and (not _q_c_ok(b) or b.btype != a.btype)):
+        raise ValueError("rows_dot_multi: needs the C kernels and row-layout QWeights of one type")
+    (T, K), n = x.shape, idx.numel()
+    xf, idx, s8 = x.float().contiguous(), idx.contiguous(), sel.to(torch.uint8).contiguous()
+    ra = torch.empty(T, n, dtype=torch.float32)
+    rb = None if b is None else torch.empty(T, n, dtype=torch.float32)
+    _state["lib"].pi_q_dot_rows_multi(_QT[a.btype.name], a.raw.data_ptr(), None if b is None else b.raw.data_ptr(),
+                                      idx.data_ptr(), n, K, xf.data_ptr(), T, s8.data_ptr(), ra.data_ptr(), _ptr(rb),
+                                      float("-inf") if gmin is None else gmin)
+    return ra, rb
+
+
+def rows_axpy_multi(idx: torch.Tensor, w: QWeight, coef: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+    """:func:`rows_axpy` for ``T`` tokens over a shared row set: ``coef`` ``[T, n]`` -> fp32 ``[T, D]``,
+    ``out[t] = sum_i coef[t, i] * w[idx[i]]`` (zero coefficients skipped); token ``t``'s result equals
+    :func:`rows_axpy` over its own non-zero rows bit for bit. ``chunk``: values of ``D`` done for every
+    token before the next (0: a thread's whole slice), so shared rows come from cache. C backend,
+    row-layout QWeight only (ValueError otherwise)."""
+    if not _q_c_ok(w):
+        raise ValueError("rows_axpy_multi: needs the C kernels and a row-layout QWeight")
+    T, n = coef.shape
+    cf, idx = coef.float().contiguous(), idx.contiguous()
+    out = torch.empty(T, w.n_cols, dtype=torch.float32)
+    _state["lib"].pi_q_axpy_rows_multi(_QT[w.btype.name], w.raw.data_ptr(), idx.data_ptr(), cf.data_ptr(), n,
+                                       w.n_cols, T, out.data_ptr(), int(chunk))
+    return out
 
 
 def predict(h: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, threshold: float) -> torch.Tensor:

@@ -915,3 +915,129 @@ void pi_q_dequant_rows(int qt, const void *W, const int64_t *idx, int64_t n, int
         axpy_row(qt, (const uint8_t *)W + (idx ? idx[r] : r) * rb, 1.0f, 0, K, o);
     }
 }
+
+/* ------------------------------------------------------------------ several tokens' sparse rows
+ * Batched decoding (runtime/batch.py): the rows of the union of T tokens' predicted-active
+ * neurons are read from memory once for all T. Each token's numbers are those the one-token
+ * kernels give it (the same block products, sums and order), so a sequence decoded in a batch
+ * gets bit for bit what it gets alone. */
+
+/* For r < n and t < T with sel[t * n + r] != 0: y1[t * n + r] = W1[idx[r]] . x[t], and if W2,
+ * y2[t * n + r] = W2[idx[r]] . x[t] when y1 > gmin (else 0, as pi_q_dot_rows); entries not
+ * selected are 0. W1, W2 [*, K] of type qt; x [T, K] f32; idx ascending. */
+void pi_q_dot_rows_multi(int qt, const void *W1, const void *W2, const int64_t *idx, int64_t n, int64_t K,
+                         const float *x, int64_t T, const uint8_t *sel, float *y1, float *y2, float gmin) {
+    const int64_t rb = row_bytes(qt, K);
+    const acts_t acts = prepare(qt, x, T, K);
+    const int par = n * rb * (W2 ? 2 : 1) >= PAR_MIN_BYTES && omp_get_max_threads() > 1;
+    #pragma omp parallel if (par)
+    {
+        int64_t r0, r1;
+        split(n, omp_get_num_threads(), omp_get_thread_num(), &r0, &r1);
+        for (int64_t r = r0; r < r1; r++) {
+            if (r + ROWS_AHEAD < r1) {
+                prefetch_row((const uint8_t *)W1 + idx[r + ROWS_AHEAD] * rb, rb);
+                if (W2) prefetch_row((const uint8_t *)W2 + idx[r + ROWS_AHEAD] * rb, rb);
+            } else if (r == r0) {
+                for (int64_t p = r + 1; p < r1; p++) prefetch_row((const uint8_t *)W1 + idx[p] * rb, rb);
+            }
+            const uint8_t *row1 = (const uint8_t *)W1 + idx[r] * rb;
+            int64_t ts[64];
+            int nts = 0;
+            for (int64_t t = 0; t < T; t++) {
+                y1[t * n + r] = 0.f;
+                if (W2) y2[t * n + r] = 0.f;
+                if (sel[t * n + r] && nts < 64) ts[nts++] = t;
+                else if (sel[t * n + r]) y1[t * n + r] = row_dot(qt, row1, act_of(x, acts, t, K), K);
+            }
+#ifdef PI_AVX2
+            if (is_q0(qt)) {  /* one row against up to 3 tokens per pass: the block unpacked once */
+                const int64_t nb = K / QK;
+                for (int j0 = 0; j0 < nts; j0 += 3) {
+                    const int rn = nts - j0 >= 3 ? 3 : nts - j0;
+                    const int8_t *xq[3];
+                    const float *xd[3];
+                    for (int j = 0; j < rn; j++) {
+                        xq[j] = acts.q + ts[j0 + j] * K;
+                        xd[j] = acts.d + ts[j0 + j] * nb;
+                    }
+                    float o[3];
+                    const uint8_t *rows[1] = {row1};
+                    if (rn == 3) tile_q8(qt, rows, xq, xd, nb, 1, 3, o);
+                    else if (rn == 2) tile_q8(qt, rows, xq, xd, nb, 1, 2, o);
+                    else tile_q8(qt, rows, xq, xd, nb, 1, 1, o);
+                    for (int j = 0; j < rn; j++) y1[ts[j0 + j] * n + r] = o[j];
+                }
+            } else
+#endif
+                for (int j = 0; j < nts; j++) y1[ts[j] * n + r] = row_dot(qt, row1, act_of(x, acts, ts[j], K), K);
+            if (W2) {
+                const uint8_t *row2 = (const uint8_t *)W2 + idx[r] * rb;
+                for (int64_t t = 0; t < T; t++)
+                    if (sel[t * n + r] && (gmin == -INFINITY || y1[t * n + r] > gmin))
+                        y2[t * n + r] = row_dot(qt, row2, act_of(x, acts, t, K), K);
+            }
+        }
+    }
+    release(acts);
+}
+
+/* out[t, d] = sum_r coef[t * n + r] * W[idx[r], d] for t < T, d < D, rows with a zero
+ * coefficient skipped: token t's sum is pi_q_axpy_rows over its own non-zero rows (same rows,
+ * same groups of four, same order, so the same bits). Each thread owns a slice of d as there;
+ * the slice is walked in chunks of `chunk` values (0: the whole slice), every token's rows for
+ * one chunk before the next, so a row that several tokens use is read from memory once. */
+void pi_q_axpy_rows_multi(int qt, const void *W, const int64_t *idx, const float *coef, int64_t n, int64_t D,
+                          int64_t T, float *out, int64_t chunk) {
+    const int64_t rb = row_bytes(qt, D), bv = block_values(qt) < 16 ? 16 : block_values(qt);
+    memset(out, 0, (size_t)(T * D) * sizeof(float));
+    const uint8_t **rows = malloc((size_t)(T * n + 1) * sizeof(*rows));
+    float *cs = malloc((size_t)(T * n + 1) * sizeof(float));
+    int64_t *m = malloc((size_t)(T + 1) * sizeof(int64_t)), used = 0;
+    for (int64_t t = 0; t < T; t++) {
+        int64_t k = 0;
+        for (int64_t r = 0; r < n; r++)
+            if (coef[t * n + r] != 0.f) {
+                rows[t * n + k] = (const uint8_t *)W + idx[r] * rb;
+                cs[t * n + k++] = coef[t * n + r];
+            }
+        m[t] = k;
+        used = k > used ? k : used;
+    }
+    const int par = (used > n ? used : n) * rb >= PAR_MIN_BYTES && omp_get_max_threads() > 1 && D >= 2 * bv;
+    chunk = chunk <= 0 ? D : (chunk + bv - 1) / bv * bv;
+    #pragma omp parallel if (par)
+    {
+        const int nt = omp_get_num_threads(), th = omp_get_thread_num();
+        const int64_t nblk = (D + bv - 1) / bv, per = (nblk + nt - 1) / nt;
+        const int64_t d0 = th * per * bv < D ? th * per * bv : D;
+        const int64_t d1 = d0 + per * bv < D ? d0 + per * bv : D;
+        for (int64_t c0 = d0; c0 < d1; c0 += chunk) {
+            const int64_t c1 = c0 + chunk < d1 ? c0 + chunk : d1;
+            const int64_t pb0 = c0 / block_values(qt) * block_bytes(qt);
+            const int64_t pbn = (c1 - c0) / block_values(qt) * block_bytes(qt);
+            for (int64_t t = 0; t < T; t++) {
+                const uint8_t **rw = rows + t * n;
+                const float *c = cs + t * n;
+                float *o = out + t * D;
+                const int64_t mt = m[t];
+                int64_t r = 0;
+#ifdef PI_AVX2
+                if (is_q0(qt) || (is_16bit(qt) && d0 % 8 == 0 && d1 % 8 == 0))
+                    for (; r + 4 <= mt; r += 4) {
+                        for (int64_t s = r + 4; s < r + 8 && s < mt; s++) prefetch_row(rw[s] + pb0, pbn);
+                        if (is_q0(qt)) axpy4_q(qt, rw + r, c + r, c0, c1, o);
+                        else axpy4_16(qt, rw + r, c + r, c0, c1, o);
+                    }
+#endif
+                for (; r < mt; r++) {
+                    if (r + 1 < mt) prefetch_row(rw[r + 1] + pb0, pbn);
+                    axpy_row(qt, rw[r], c[r], c0, c1, o);
+                }
+            }
+        }
+    }
+    free(rows);
+    free(cs);
+    free(m);
+}

@@ -20,14 +20,15 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import PowerInferError
 from ..runtime.chat import ChatTemplate, chat_prompt_ids
 from ..runtime.generate import SamplerSettings
-from .engine import Engine, Job, QueueFull, Result
+from .engine import Job, QueueFull, Result
+from .scheduler import Scheduler
 from .protocol import ChatRequest, CompletionRequest, DetokenizeRequest, NativeCompletionRequest, TokenizeRequest
 
 POLL_S = 0.25  # how often a waiting handler checks that its client is still there
@@ -48,9 +49,10 @@ def _error_response(e: HTTPError) -> JSONResponse:
 class ServerState:
     """What the handlers share: the engine, the model's name and limits, the chat template."""
 
-    def __init__(self, engine: Engine, model_path: str, alias: str | None, api_key: str | None,
-                 max_body_bytes: int, template: ChatTemplate):
-        self.engine, self.tok, self.model = engine, engine.session.tok, engine.session.model
+    def __init__(self, engine: Scheduler, model_path: str, alias: str | None, api_key: str | None,
+                 max_body_bytes: int, template: ChatTemplate, metrics: bool = False):
+        self.engine, self.tok, self.model = engine, engine.tok, engine.model
+        self.metrics = metrics  # GET /metrics enabled (--metrics)
         self.model_path = str(model_path)
         self.model_id = alias or Path(model_path).name
         self.names = {self.model_id, Path(model_path).name, Path(model_path).stem, str(model_path)}
@@ -80,7 +82,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def health() -> dict:
         e = state.engine
         return {"status": "ok", "model": state.model_id, "requests_waiting": e.n_waiting,
-                "requests_processing": int(e.busy), "requests_served": e.n_served,
+                "requests_processing": e.n_processing, "requests_served": e.n_served,
                 "requests_cancelled": e.n_cancelled}
 
     # every route but /health needs the API key when the server has one
@@ -142,11 +144,27 @@ def create_app(state: ServerState) -> FastAPI:
     @api.get("/props")
     async def props() -> dict:
         m = state.model
-        return {"model_path": state.model_path, "total_slots": 1, "chat_template": state.template.source,
+        return {"model_path": state.model_path, "total_slots": state.engine.n_slots,
+                "chat_template": state.template.source,
                 "default_generation_settings": {
-                    "n_ctx": m.n_ctx, "n_predict": -1, "sparse": not m.dense,
+                    "n_ctx": state.engine.n_ctx, "n_predict": -1, "sparse": not m.dense,
                     **{k: f.default for k, f in NativeCompletionRequest.model_fields.items()
                        if k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n")}}}
+
+    @api.get("/slots")
+    async def slots() -> list:
+        """Each slot's state (llama-server's ``GET /slots``): id, state, cached and prompt tokens, tokens decoded."""
+        return state.engine.slots_info()
+
+    @api.get("/metrics")
+    async def metrics():
+        """Prometheus text format (llama-server's ``GET /metrics``); 501 unless started with ``--metrics``."""
+        if not state.metrics:
+            raise HTTPError(501, "this server does not serve metrics: start it with --metrics", "not_supported_error")
+        from .metrics import render
+
+        body, content_type = render(state.engine)
+        return Response(body, media_type=content_type)
 
     # llama.cpp's aliases: unversioned OpenAI routes and /v1/health
     api.add_api_route("/completions", completions, methods=["POST"])
@@ -249,16 +267,18 @@ def _check_ids(state: ServerState, ids: list[int], field: str) -> list[int]:
 
 def _job(request_loop: asyncio.AbstractEventLoop, state: ServerState, req, ids: list[int],
          max_tokens: int | None) -> Job:
-    n_ctx = state.model.n_ctx
+    e = state.engine
+    n_ctx = e.n_ctx
+    where = f" (a slot's share of -c {state.model.n_ctx} across -np {e.n_slots})" if e.n_slots > 1 else ""
     if not ids:
         raise HTTPError(400, "prompt: empty (no tokens to start from)", param="prompt")
     if len(ids) >= n_ctx:
-        raise HTTPError(400, f"prompt: {len(ids)} tokens do not fit the context of {n_ctx} tokens "
+        raise HTTPError(400, f"prompt: {len(ids)} tokens do not fit the context of {n_ctx} tokens{where} "
                              f"(at least one must be left to generate)", param="prompt",
                         code="context_length_exceeded")
     if max_tokens is not None and len(ids) + max_tokens > n_ctx:
         raise HTTPError(400, f"max_tokens: {max_tokens} more tokens after a {len(ids)}-token prompt exceed the "
-                             f"context of {n_ctx} tokens (at most {n_ctx - len(ids)})", param="max_tokens",
+                             f"context of {n_ctx} tokens{where} (at most {n_ctx - len(ids)})", param="max_tokens",
                         code="context_length_exceeded")
     sampler = SamplerSettings(temp=req.temperature, top_k=req.top_k, top_p=req.top_p,
                               seed=-1 if req.seed is None else req.seed, repeat_penalty=req.repeat_penalty,

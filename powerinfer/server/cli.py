@@ -45,7 +45,16 @@ def _check_port_free(host: str, port: int) -> None:
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind; 0.0.0.0 serves other machines too (set --api-key then).")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535), help="TCP port (0: any free).")
-@click.option("-c", "--ctx-size", default=0, help="Context length per request (0: the model's).")
+@click.option("-c", "--ctx-size", default=0,
+              help="Context length in all, split evenly across the -np slots as llama-server splits it (0: the model's).")
+@click.option("-np", "--parallel", "n_parallel", default=1, show_default=True, type=click.IntRange(1, 256),
+              help="Slots: requests decoded at once, one token each per batched step (continuous batching).")
+@click.option("-ub", "--ubatch-size", "ubatch", default=64, show_default=True, type=click.IntRange(1, 1 << 16),
+              help="Prompt tokens evaluated between two decode steps while other slots generate "
+                   "(a running stream waits at most that long for a new prompt).")
+@click.option("--ffn-batch", type=click.Choice(["auto", "union", "per-seq"]), default="auto", show_default=True,
+              help="Sparse FFN over a batch: union of the sequences' active rows, per-sequence rows, or by measured batch size.")
+@click.option("--metrics", "metrics", is_flag=True, help="Serve GET /metrics (Prometheus text format).")
 @click.option("-t", "--threads", default=0, help="CPU threads (0: chosen by model size, as pi-run).")
 @click.option("--dense", is_flag=True, help="Compute every FFN neuron even in a PWRI file.")
 @click.option("--dtype", type=click.Choice(["auto", *DTYPE_NAMES]), default="auto", show_default=True,
@@ -62,10 +71,10 @@ def _check_port_free(host: str, port: int) -> None:
               show_default=True)
 @version_option("pi-server")
 @cli_errors
-def main(model_path, host, port, ctx_size, threads, dense, dtype, kernel_backend, vram_budget, alias, api_key,
-         max_queue, log_level):
+def main(model_path, host, port, ctx_size, n_parallel, ubatch, ffn_batch, metrics, threads, dense, dtype,
+         kernel_backend, vram_budget, alias, api_key, max_queue, log_level):
     """Serve a model: POST /v1/completions, /v1/chat/completions (stream or not), /completion; GET /v1/models,
-    /health. One request is generated at a time, in arrival order."""
+    /health, /slots, /metrics. -np N requests are decoded at once (continuous batching), more wait in arrival order."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(message)s")
     if api_key is not None and not api_key.strip():
         raise PowerInferError("--api-key: empty")
@@ -79,19 +88,19 @@ def main(model_path, host, port, ctx_size, threads, dense, dtype, kernel_backend
 
     from ..runtime.chat import template_for
     from ..runtime.loading import open_for_inference
-    from ..runtime.session import Session
     from .app import ServerState, create_app
-    from .engine import Engine
+    from .scheduler import Scheduler
 
     model, tok = open_for_inference(model_path, dtype=dtype, dense=dense, ctx_size=ctx_size, threads=threads,
                                     kernel_backend=kernel_backend, vram_budget=vram_budget,
                                     note=lambda s: click.echo(s, err=True))
     template = template_for(tok)
-    engine = Engine(Session(model, tok), max_queue=max_queue)
-    state = ServerState(engine, model_path, alias, api_key, MAX_BODY_BYTES, template)
+    engine = Scheduler(model, tok, n_parallel, max_queue=max_queue, ubatch=ubatch, ffn_mode=ffn_batch)
+    state = ServerState(engine, model_path, alias, api_key, MAX_BODY_BYTES, template, metrics=metrics)
     app = create_app(state)
     mode = "dense" if model.dense else "sparse"
     click.echo(f"pi-server: {state.model_id} ({model.args.family.name}, {mode}, n_ctx {model.n_ctx}"
+               f"{f' = {n_parallel} slots x {engine.n_ctx}' if n_parallel > 1 else ''}"
                f"{', ChatML (no template in the file)' if template.is_default else ', chat template from the file'})",
                err=True)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:

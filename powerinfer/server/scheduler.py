@@ -1,0 +1,330 @@
+"""The server's generation worker: ``-np N`` slots and continuous batching.
+
+Each slot holds one request at a time with its own KV cache (``n_ctx / N`` positions, the
+``-c`` context split across the slots as llama.cpp's ``-np`` splits it), sampler, stop
+strings and prompt cache (the ids its KV cache holds; a new request goes to the idle slot whose
+cache shares the longest prefix with its prompt, else to the least recently used one, and
+evaluates only what follows that prefix). Requests beyond the free slots wait in a FIFO queue
+of at most ``max_queue`` (more: :class:`QueueFull`, a 503).
+
+One worker thread runs the loop; each iteration:
+
+1. admits waiting requests to free slots and frees the slots whose request was cancelled (the
+   client went away) or ended;
+2. evaluates prompt tokens of one admitted request (the earliest): its whole prompt when no
+   other slot is generating, else at most ``ubatch`` tokens, so a running stream waits at most
+   one chunk of ``ubatch`` prompt tokens between two of its tokens;
+3. decodes one token for every generating slot in one forward pass
+   (:class:`~powerinfer.runtime.batch.BatchDecoder`; one slot alone takes the model's own
+   decode path), samples each slot's next token, streams its text, and ends the requests that
+   are done; a finished request's slot is free for the next iteration.
+
+With ``-np 1`` this is the one-request-at-a-time FIFO server it was: one slot, whose KV cache is
+the model's own (GPU offload included), whole prompts, the model's decode path.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import PowerInferError
+from ..runtime.batch import BatchDecoder, new_cache, prefill
+from ..runtime.generate import GenStats, sample
+from ..runtime.model import KVCache, Transformer
+from ..runtime.session import StopMatcher, common_prefix
+from ..runtime.tokenizer import GGUFTokenizer, TextStream
+from .engine import Job, QueueFull, Result
+
+log = logging.getLogger("powerinfer.server")
+DEFAULT_UBATCH = 64  # prompt tokens evaluated between two decode steps while other slots generate
+
+
+@dataclass(eq=False)
+class Slot:
+    """One sequence's state. ``state``: ``idle``, ``prompt`` (evaluating its prompt) or ``generating``."""
+
+    id: int
+    n_ctx: int
+    cache: KVCache | None = None  # made on first use
+    cached: list[int] = field(default_factory=list)  # ids whose keys/values the cache holds, positions 0..
+    state: str = "idle"
+    job: Job | None = None
+    n_done: int = 0  # prompt tokens in the cache
+    pos: int = 0  # the position the pending token goes to
+    pending: int | None = None  # the last sampled token, evaluated at the next step
+    st: GenStats = field(default_factory=GenStats)
+    t_admit: float = 0.0
+    t_gen0: float = 0.0
+    last_used: float = 0.0
+    gen: torch.Generator | None = None
+    history: list[int] | None = None
+    last_n: int = 0
+    stream: TextStream | None = None
+    matcher: StopMatcher | None = None
+    eos: int | None = None
+    late: tuple[int, ...] = ()
+
+    def info(self) -> dict:
+        """The slot as ``GET /slots`` shows it."""
+        job = self.job
+        return {"id": self.id, "state": self.state, "is_processing": job is not None, "n_ctx": self.n_ctx,
+                "n_cached": len(self.cached), "n_prompt_tokens": len(job.ids) if job else 0,
+                "n_prompt_done": self.n_done if job else 0, "n_decoded": len(self.st.token_ids) if job else 0,
+                "n_predict": job.n_predict if job else None}
+
+
+class Scheduler:
+    """``n_slots`` slots over one model and a worker thread; ``submit`` is called from the event loop.
+
+    ``n_ctx``: tokens per slot (``model.n_ctx // n_slots``); ``ubatch``: prompt tokens per chunk
+    while other slots generate; ``ffn_mode``: :class:`BatchDecoder`'s. Raises PowerInferError when
+    the model cannot run several sequences (GPU offload with ``n_slots > 1``) or a slot's context
+    would be empty."""
+
+    def __init__(self, model: Transformer, tok: GGUFTokenizer, n_slots: int = 1, max_queue: int = 64,
+                 ubatch: int = DEFAULT_UBATCH, ffn_mode: str = "auto"):
+        if n_slots < 1 or ubatch < 1:
+            raise PowerInferError(f"-np {n_slots}, --ubatch-size {ubatch}: both must be at least 1")
+        self.model, self.tok = model, tok
+        self.n_slots, self.max_queue, self.ubatch = n_slots, max_queue, ubatch
+        self.n_ctx = model.n_ctx // n_slots
+        if self.n_ctx < 2:
+            raise PowerInferError(f"a context of {model.n_ctx} tokens split across -np {n_slots} slots leaves "
+                                  f"{self.n_ctx} per slot: ask for a larger -c or fewer slots")
+        self.decoder = BatchDecoder(model, ffn_mode) if n_slots > 1 else None
+        self.slots = [Slot(i, self.n_ctx) for i in range(n_slots)]
+        if n_slots == 1:
+            self.slots[0].cache = model.cache  # -np 1: the model's own cache (moved layers and all)
+        self._queue: deque[Job] = deque()
+        self._cv = threading.Condition()
+        self._live: set[Job] = set()
+        self._closing: str | None = None
+        self._stop = False
+        self.n_served = self.n_cancelled = self.n_failed = 0
+        self.n_prompt_tokens = self.n_predicted = self.n_decode_steps = self.n_decode_seqs = 0
+        self.t_prompt = self.t_decode = 0.0
+        self._threads = torch.get_num_threads()
+        self._thread = threading.Thread(target=self._run, name="powerinfer-generate", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ event-loop side
+    @property
+    def n_processing(self) -> int:
+        """Slots holding a request."""
+        return sum(s.job is not None for s in self.slots)
+
+    @property
+    def busy(self) -> bool:
+        return self.n_processing > 0
+
+    @property
+    def n_waiting(self) -> int:
+        """Requests queued and not yet in a slot."""
+        return len(self._queue)
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; QueueFull when ``max_queue`` requests already wait, or after :meth:`shutdown`."""
+        with self._cv:
+            if self._closing is not None:
+                raise QueueFull(self._closing)
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull(f"{len(self._queue)} requests are already waiting (--max-queue {self.max_queue})")
+            self._live.add(job)
+            self._queue.append(job)
+            self._cv.notify()
+
+    def slots_info(self) -> list[dict]:
+        return [s.info() for s in self.slots]
+
+    def shutdown(self, reason: str = "the server is shutting down") -> None:
+        """End every queued and running request now with an error event, and stop the worker."""
+        with self._cv:
+            self._closing = reason
+            jobs = list(self._live)
+            self._stop = True
+            self._cv.notify()
+        for job in jobs:
+            job.cancel.set()
+            job.emit("error", reason)
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+
+    # ------------------------------------------------------------------ worker
+    def _run(self) -> None:
+        # OpenMP's thread count is per calling thread: the C kernels ask omp_get_max_threads(), which
+        # in a new thread is the machine default, not what -t set in the main thread
+        torch.set_num_threads(self._threads)
+        while True:
+            with self._cv:
+                while not self._stop and not self._queue and not any(s.job for s in self.slots):
+                    self._cv.wait()
+                if self._stop:
+                    return
+                admitted = self._admit()
+            for s in admitted:
+                self._start(s)
+            for s in self.slots:
+                if s.job is not None and s.job.cancel.is_set():
+                    self._finish(s, "cancelled")
+            self._prompt_work()
+            self._decode_step()
+
+    def _admit(self) -> list[Slot]:
+        """Waiting requests into free slots (called with the lock held)."""
+        out = []
+        while self._queue:
+            free = [s for s in self.slots if s.job is None]
+            if not free:
+                break
+            job = self._queue.popleft()
+            if job.cancel.is_set():
+                self.n_cancelled += 1
+                self._live.discard(job)
+                continue
+            slot = max(free, key=lambda s: (common_prefix(s.cached, job.ids), -s.last_used))
+            slot.job = job
+            out.append(slot)
+        return out
+
+    def _start(self, s: Slot) -> None:
+        job = s.job
+        ids = job.ids
+        if s.cache is None:
+            s.cache = new_cache(self.model, self.n_ctx)
+        n_past = min(common_prefix(s.cached, ids), len(ids) - 1)
+        s.cached = s.cached[:n_past]
+        s.n_done, s.pending, s.state = n_past, None, "prompt"
+        s.st = GenStats(n_prompt=len(ids) - n_past, n_reused=n_past)
+        s.t_admit = time.perf_counter()
+        sm = job.sampler
+        s.gen = None
+        if sm.temp > 0:
+            s.gen = torch.Generator()
+            s.gen.manual_seed(sm.seed if sm.seed >= 0 else int(time.time_ns() % (1 << 31)))
+        s.last_n = self.n_ctx if sm.repeat_last_n < 0 else sm.repeat_last_n
+        s.history = list(ids) if sm.repeat_penalty != 1.0 and s.last_n > 0 else None
+        s.stream, s.matcher = TextStream(self.tok, ids), StopMatcher(job.stop)
+        if job.ignore_eos:
+            s.eos, s.late = None, ()
+        else:
+            s.eos, s.late = self.tok.eos_id, (() if self.tok.bos_id is None else (self.tok.bos_id,))
+
+    def _prompt_work(self) -> None:
+        waiting = [s for s in self.slots if s.state == "prompt"]
+        if not waiting:
+            return
+        s = min(waiting, key=lambda s: s.t_admit)
+        ids = s.job.ids
+        others = any(x.state == "generating" for x in self.slots)
+        n = len(ids) - s.n_done if not others else min(self.ubatch, len(ids) - s.n_done)
+        t0 = time.perf_counter()
+        try:
+            logits = prefill(self.model, s.cache, ids[s.n_done:s.n_done + n], s.n_done)
+        except Exception as e:  # noqa: BLE001  (one bad request must not stop the server)
+            self._fail(s, e)
+            return
+        dt = time.perf_counter() - t0
+        s.st.t_prompt += dt
+        self.t_prompt += dt
+        self.n_prompt_tokens += n
+        s.n_done += n
+        s.cached = list(ids[:s.n_done])
+        if s.n_done == len(ids):
+            s.state, s.pos, s.t_gen0 = "generating", len(ids), time.perf_counter()
+            self._next(s, logits)
+
+    def _decode_step(self) -> None:
+        run = [s for s in self.slots if s.state == "generating" and s.pending is not None]
+        if not run:
+            return
+        t0 = time.perf_counter()
+        try:
+            if len(run) == 1:
+                logits = prefill(self.model, run[0].cache, [run[0].pending], run[0].pos)[None]
+            else:
+                logits = self.decoder.step([s.pending for s in run], [s.cache for s in run], [s.pos for s in run])
+        except Exception as e:  # noqa: BLE001
+            for s in run:
+                self._fail(s, e)
+            return
+        self.t_decode += time.perf_counter() - t0
+        self.n_decode_steps += 1
+        self.n_decode_seqs += len(run)
+        for s, lg in zip(run, logits):
+            s.cached.append(s.pending)
+            s.pos += 1
+            s.st.n_eval += 1
+            self._next(s, lg)
+
+    def _next(self, s: Slot, logits: torch.Tensor) -> None:
+        """Sample slot ``s``'s next token from ``logits`` ``[V]``, stream it, end the request when done
+        (the rules of :func:`~powerinfer.runtime.generate.generate`)."""
+        job, st = s.job, s.st
+        s.pending = None
+        tok = sample(logits, job.sampler, s.gen, s.history[-s.last_n:] if s.history is not None else ())
+        if (s.eos is not None and tok == s.eos) or (st.token_ids and tok in s.late):
+            return self._finish(s, "eos")
+        st.token_ids.append(tok)
+        self.n_predicted += 1
+        if s.history is not None:
+            s.history.append(tok)
+            del s.history[:-s.last_n]
+        piece = s.matcher.feed(s.stream.push(tok))
+        if piece:
+            job.emit("text", piece)
+        if len(st.token_ids) == job.n_predict:
+            return self._finish(s, "n_predict")
+        if s.matcher.matched is not None or job.cancel.is_set():
+            return self._finish(s, "cancelled")
+        if s.pos >= self.n_ctx:
+            return self._finish(s, "context")
+        s.pending = tok
+
+    def _finish(self, s: Slot, stop: str) -> None:
+        job, st = s.job, s.st
+        st.stop = stop
+        st.n_gen = len(st.token_ids)
+        if s.state == "generating":
+            st.t_gen = time.perf_counter() - s.t_gen0
+        tail = s.matcher.flush() if s.matcher is not None else ""
+        if tail and not job.cancel.is_set():
+            job.emit("text", tail)
+        if job.cancel.is_set():
+            self.n_cancelled += 1
+            if self._closing is None:
+                log.info("slot %d: request cancelled after %d tokens (client gone)", s.id, st.n_gen)
+        else:
+            self.n_served += 1
+            if s.matcher.matched is not None:
+                res = Result("stop", "word", s.matcher.matched, st)
+            elif stop == "eos":
+                res = Result("stop", "eos", "", st)
+            else:
+                res = Result("length", "limit", "", st)
+            job.emit("done", res)
+        self._free(s)
+
+    def _fail(self, s: Slot, e: Exception) -> None:
+        if isinstance(e, PowerInferError):
+            s.job.emit("error", str(e))
+        else:
+            log.exception("generation failed", exc_info=e)
+            s.job.emit("error", f"internal error: {type(e).__name__}: {e}")
+        self.n_failed += 1
+        s.cached = []  # what the cache holds is unknown now
+        self._free(s)
+
+    def _free(self, s: Slot) -> None:
+        job = s.job
+        s.job, s.state, s.pending, s.last_used = None, "idle", None, time.perf_counter()
+        s.stream = s.matcher = s.gen = s.history = None
+        with self._cv:
+            self._live.discard(job)
