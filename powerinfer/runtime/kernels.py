@@ -351,9 +351,12 @@ def rows_dot_multi(x: torch.Tensor, idx: torch.Tensor, sel: torch.Tensor, a: QWe
     fp32 ``[T, n]`` each, 0 where not selected. Each row is read once for all tokens; a token's
     values equal what :func:`rows_dot` gives it alone, bit for bit. C backend, ``a`` (and ``b``,
     of the same type) QWeights in row layout (:func:`_q_c_ok`) only; ValueError otherwise."""
-    if not _q_c_ok(a) or (b is not None and (not _q_c_ok(b) or b.btype != a.btype)):
+    if not (isinstance(a, QWeight) and _q_c_ok(a)) or (
+            b is not None and not (isinstance(b, QWeight) and _q_c_ok(b) and b.btype == a.btype)):
         raise ValueError("rows_dot_multi: needs the C kernels and row-layout QWeights of one type")
     (T, K), n = x.shape, idx.numel()
+    if T > QGEMM_MAX_T:
+        raise ValueError(f"rows_dot_multi: {T} tokens, at most {QGEMM_MAX_T} per call")
     xf, idx, s8 = x.float().contiguous(), idx.contiguous(), sel.to(torch.uint8).contiguous()
     ra = torch.empty(T, n, dtype=torch.float32)
     rb = None if b is None else torch.empty(T, n, dtype=torch.float32)
@@ -369,7 +372,7 @@ def rows_axpy_multi(idx: torch.Tensor, w: QWeight, coef: torch.Tensor, chunk: in
     :func:`rows_axpy` over its own non-zero rows bit for bit. ``chunk``: values of ``D`` done for every
     token before the next (0: a thread's whole slice), so shared rows come from cache. C backend,
     row-layout QWeight only (ValueError otherwise)."""
-    if not _q_c_ok(w):
+    if not (isinstance(w, QWeight) and _q_c_ok(w)):
         raise ValueError("rows_axpy_multi: needs the C kernels and a row-layout QWeight")
     T, n = coef.shape
     cf, idx = coef.float().contiguous(), idx.contiguous()

@@ -922,61 +922,79 @@ void pi_q_dequant_rows(int qt, const void *W, const int64_t *idx, int64_t n, int
  * kernels give it (the same block products, sums and order), so a sequence decoded in a batch
  * gets bit for bit what it gets alone. */
 
+/* y[ts[j] * n] = row . x[ts[j]] for the nts tokens ts (y already offset to the row's column):
+ * Q4_0/Q8_0 rows meet up to 3 tokens per pass (the block unpacked once, tile_q8, whose per-token
+ * sums are dot_q0's), other types one row_dot per token. */
+static inline void dot_row_tokens(int qt, const uint8_t *row, const float *x, acts_t acts, int64_t K,
+                                  const int64_t *ts, int nts, float *y, int64_t n) {
+#ifdef PI_AVX2
+    if (is_q0(qt)) {
+        const int64_t nb = K / QK;
+        for (int j0 = 0; j0 < nts; j0 += 3) {
+            const int rn = nts - j0 >= 3 ? 3 : nts - j0;
+            const int8_t *xq[3];
+            const float *xd[3];
+            for (int j = 0; j < rn; j++) {
+                xq[j] = acts.q + ts[j0 + j] * K;
+                xd[j] = acts.d + ts[j0 + j] * nb;
+            }
+            float o[3];
+            const uint8_t *rows[1] = {row};
+            if (rn == 3) tile_q8(qt, rows, xq, xd, nb, 1, 3, o);
+            else if (rn == 2) tile_q8(qt, rows, xq, xd, nb, 1, 2, o);
+            else tile_q8(qt, rows, xq, xd, nb, 1, 1, o);
+            for (int j = 0; j < rn; j++) y[ts[j0 + j] * n] = o[j];
+        }
+        return;
+    }
+#endif
+    for (int j = 0; j < nts; j++) y[ts[j] * n] = row_dot(qt, row, act_of(x, acts, ts[j], K), K);
+}
+
+#define MULTI_MAX_T 64 /* tokens per call of the several-token row kernels (kernels.QGEMM_MAX_T) */
+
 /* For r < n and t < T with sel[t * n + r] != 0: y1[t * n + r] = W1[idx[r]] . x[t], and if W2,
  * y2[t * n + r] = W2[idx[r]] . x[t] when y1 > gmin (else 0, as pi_q_dot_rows); entries not
- * selected are 0. W1, W2 [*, K] of type qt; x [T, K] f32; idx ascending. */
+ * selected are 0. W1, W2 [*, K] of type qt; x [T, K] f32 (T <= 64); idx ascending. Two passes
+ * per thread as pi_q_dot_rows: every W1 row, then the W2 rows some token needs. */
 void pi_q_dot_rows_multi(int qt, const void *W1, const void *W2, const int64_t *idx, int64_t n, int64_t K,
                          const float *x, int64_t T, const uint8_t *sel, float *y1, float *y2, float gmin) {
     const int64_t rb = row_bytes(qt, K);
     const acts_t acts = prepare(qt, x, T, K);
+    memset(y1, 0, (size_t)(T * n) * sizeof(float));
+    if (W2) memset(y2, 0, (size_t)(T * n) * sizeof(float));
     const int par = n * rb * (W2 ? 2 : 1) >= PAR_MIN_BYTES && omp_get_max_threads() > 1;
     #pragma omp parallel if (par)
     {
         int64_t r0, r1;
         split(n, omp_get_num_threads(), omp_get_thread_num(), &r0, &r1);
+        int64_t ts[MULTI_MAX_T];
+        for (int64_t p = r0; p < r0 + ROWS_AHEAD && p < r1; p++) prefetch_row((const uint8_t *)W1 + idx[p] * rb, rb);
         for (int64_t r = r0; r < r1; r++) {
-            if (r + ROWS_AHEAD < r1) {
-                prefetch_row((const uint8_t *)W1 + idx[r + ROWS_AHEAD] * rb, rb);
-                if (W2) prefetch_row((const uint8_t *)W2 + idx[r + ROWS_AHEAD] * rb, rb);
-            } else if (r == r0) {
-                for (int64_t p = r + 1; p < r1; p++) prefetch_row((const uint8_t *)W1 + idx[p] * rb, rb);
-            }
-            const uint8_t *row1 = (const uint8_t *)W1 + idx[r] * rb;
-            int64_t ts[64];
+            if (r + ROWS_AHEAD < r1) prefetch_row((const uint8_t *)W1 + idx[r + ROWS_AHEAD] * rb, rb);
             int nts = 0;
-            for (int64_t t = 0; t < T; t++) {
-                y1[t * n + r] = 0.f;
-                if (W2) y2[t * n + r] = 0.f;
-                if (sel[t * n + r] && nts < 64) ts[nts++] = t;
-                else if (sel[t * n + r]) y1[t * n + r] = row_dot(qt, row1, act_of(x, acts, t, K), K);
-            }
-#ifdef PI_AVX2
-            if (is_q0(qt)) {  /* one row against up to 3 tokens per pass: the block unpacked once */
-                const int64_t nb = K / QK;
-                for (int j0 = 0; j0 < nts; j0 += 3) {
-                    const int rn = nts - j0 >= 3 ? 3 : nts - j0;
-                    const int8_t *xq[3];
-                    const float *xd[3];
-                    for (int j = 0; j < rn; j++) {
-                        xq[j] = acts.q + ts[j0 + j] * K;
-                        xd[j] = acts.d + ts[j0 + j] * nb;
-                    }
-                    float o[3];
-                    const uint8_t *rows[1] = {row1};
-                    if (rn == 3) tile_q8(qt, rows, xq, xd, nb, 1, 3, o);
-                    else if (rn == 2) tile_q8(qt, rows, xq, xd, nb, 1, 2, o);
-                    else tile_q8(qt, rows, xq, xd, nb, 1, 1, o);
-                    for (int j = 0; j < rn; j++) y1[ts[j0 + j] * n + r] = o[j];
-                }
-            } else
-#endif
-                for (int j = 0; j < nts; j++) y1[ts[j] * n + r] = row_dot(qt, row1, act_of(x, acts, ts[j], K), K);
-            if (W2) {
-                const uint8_t *row2 = (const uint8_t *)W2 + idx[r] * rb;
+            for (int64_t t = 0; t < T; t++)
+                if (sel[t * n + r]) ts[nts++] = t;
+            dot_row_tokens(qt, (const uint8_t *)W1 + idx[r] * rb, x, acts, K, ts, nts, y1 + r, n);
+        }
+        if (W2) {
+            int64_t *need = malloc((size_t)(r1 - r0 + 1) * sizeof(int64_t)), m = 0;
+            for (int64_t r = r0; r < r1; r++)
                 for (int64_t t = 0; t < T; t++)
-                    if (sel[t * n + r] && (gmin == -INFINITY || y1[t * n + r] > gmin))
-                        y2[t * n + r] = row_dot(qt, row2, act_of(x, acts, t, K), K);
+                    if (sel[t * n + r] && (gmin == -INFINITY || y1[t * n + r] > gmin)) {
+                        need[m++] = r;
+                        break;
+                    }
+            for (int64_t j = 0; j < ROWS_AHEAD && j < m; j++) prefetch_row((const uint8_t *)W2 + idx[need[j]] * rb, rb);
+            for (int64_t j = 0; j < m; j++) {
+                if (j + ROWS_AHEAD < m) prefetch_row((const uint8_t *)W2 + idx[need[j + ROWS_AHEAD]] * rb, rb);
+                const int64_t r = need[j];
+                int nts = 0;
+                for (int64_t t = 0; t < T; t++)
+                    if (sel[t * n + r] && (gmin == -INFINITY || y1[t * n + r] > gmin)) ts[nts++] = t;
+                dot_row_tokens(qt, (const uint8_t *)W2 + idx[r] * rb, x, acts, K, ts, nts, y2 + r, n);
             }
+            free(need);
         }
     }
     release(acts);

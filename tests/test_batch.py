@@ -1,0 +1,171 @@
+"""Batched decoding (runtime/batch.py): a sequence decoded in a batch gets, bit for bit, the logits
+and greedy tokens it gets alone, whatever joins or leaves the batch; the several-token row kernels
+equal the one-token ones; bad calls are refused."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import random_predictors
+from powerinfer.convert.quantize import quantize_file
+from powerinfer.convert.writer import convert
+from powerinfer.errors import PowerInferError
+from powerinfer.formats.gguf_file import open_gguf
+from powerinfer.runtime import batch, kernels
+from powerinfer.runtime.model import Transformer
+from test_qkernels import make
+
+# prompts of different lengths (stories260K ids), so the sequences sit at different positions
+PROMPTS = [[1, 403, 407, 261], [1, 300, 301, 302, 303, 304, 305], [1, 378], [1, 432, 383, 286, 300],
+           [1, 5, 6, 7, 8, 9, 10, 11, 12, 13], [1, 286, 300]]
+N = 20  # tokens generated per sequence
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, relu_hf):
+    """stories260K-relu with random predictors (a real sparse mix of rows per token): f32, Q4_0
+    and Q8_0 (Q8_0 predictors), and the dense f32 file."""
+    tmp = tmp_path_factory.mktemp("batch")
+    cfg = json.loads((relu_hf / "config.json").read_text())
+    random_predictors(tmp / "pred", cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"])
+    f32 = convert(relu_hf, tmp / "m.powerinfer.gguf", tmp / "pred", outtype="f32", progress=False)
+    out = {"f32": f32, "dense": convert(relu_hf, tmp / "m.gguf", None, outtype="f32", progress=False)}
+    for t in ("q4_0", "q8_0"):
+        out[t] = quantize_file(f32, tmp / f"m-{t}.powerinfer.gguf", t).path
+    out["dense-q4_0"] = quantize_file(out["dense"], tmp / "m-q4_0.gguf", "q4_0").path
+    return out
+
+
+def alone(model, prompt, n):
+    """(greedy tokens, logits [n, V]) of ``prompt`` decoded by itself through the model's own path."""
+    cache = batch.new_cache(model, 128)
+    logits = [batch.prefill(model, cache, prompt, 0)]
+    toks = [int(logits[-1].argmax())]
+    for i in range(n - 1):
+        logits.append(batch.prefill(model, cache, [toks[-1]], len(prompt) + i))
+        toks.append(int(logits[-1].argmax()))
+    return toks, torch.stack(logits)
+
+
+def batched(model, prompts, n, mode, start=None):
+    """The same through BatchDecoder; sequence ``b`` joins at step ``start[b]`` (continuous batching:
+    the batch grows and shrinks) and stops after ``n`` tokens."""
+    dec = batch.BatchDecoder(model, mode)
+    start = start or [0] * len(prompts)
+    caches = [batch.new_cache(model, 128) for _ in prompts]
+    toks, logits = [[] for _ in prompts], [[] for _ in prompts]
+    step = 0
+    while any(len(t) < n for t in toks):
+        run = []
+        for b, p in enumerate(prompts):
+            if step == start[b]:  # joins: its prompt, then its first token comes from the prefill
+                logits[b].append(batch.prefill(model, caches[b], p, 0))
+                toks[b].append(int(logits[b][-1].argmax()))
+            elif start[b] < step and len(toks[b]) < n:
+                run.append(b)
+        if run:
+            out = dec.step([toks[b][-1] for b in run], [caches[b] for b in run],
+                           [len(prompts[b]) + len(toks[b]) - 1 for b in run])
+            for b, lg in zip(run, out):
+                logits[b].append(lg)
+                toks[b].append(int(lg.argmax()))
+        step += 1
+    return toks, [torch.stack(lg) for lg in logits], dec
+
+
+@pytest.mark.parametrize("kind", ["f32", "q4_0", "q8_0", "dense", "dense-q4_0"])
+@pytest.mark.parametrize("mode", ["union", "per-seq"])
+def test_batch_logits_equal_each_sequence_alone(files, kind, mode):
+    """Five sequences joining at different steps (the batch grows 1..5 and shrinks): every step's
+    logits equal the ones each sequence gets alone, bit for bit, so the greedy tokens do too."""
+    kernels.set_backend("auto")
+    model = Transformer(open_gguf(files[kind]))
+    want = [alone(model, p, N) for p in PROMPTS[:5]]
+    toks, logits, dec = batched(model, PROMPTS[:5], N, mode, start=[0, 0, 1, 3, 6])
+    for b in range(5):
+        assert toks[b] == want[b][0], f"sequence {b}"
+        assert torch.equal(logits[b], want[b][1]), f"sequence {b}: max diff {(logits[b] - want[b][1]).abs().max()}"
+    sparse = not kind.startswith("dense")
+    if mode == "union" and sparse and kind != "f32" and kernels.backend() == "c":
+        assert dec.stats["union"] > 0 and dec.stats["per-seq"] == 0 or dec.stats["union"] > dec.stats["per-seq"]
+    if mode == "per-seq" or not sparse:
+        assert dec.stats["union"] == 0
+
+
+def test_greedy_tokens_differ_between_sequences(files):
+    """The equality above is not vacuous: the sequences' greedy continuations are not all the same."""
+    model = Transformer(open_gguf(files["q4_0"]))
+    outs = {tuple(alone(model, p, N)[0]) for p in PROMPTS[:5]}
+    assert len(outs) >= 4
+
+
+def test_union_rows_counted_and_predicted_per_token(files):
+    """Union mode computes for each token exactly its own predicted-active rows: the FFN's
+    active count equals the per-sequence run's."""
+    kernels.set_backend("auto")
+    if kernels.backend() != "c":
+        pytest.skip("union rows need the C kernels")
+    counts = {}
+    for mode in ("union", "per-seq"):
+        model = Transformer(open_gguf(files["q4_0"]))
+        batched(model, PROMPTS, 8, mode)
+        counts[mode] = [(l.ffn.n_active, l.ffn.n_calls) for l in model.layers]
+    assert counts["union"] == counts["per-seq"]
+    assert all(0 < a < c * Transformer(open_gguf(files["q4_0"])).args.n_ff for a, c in counts["union"])
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "F16", "BF16"])
+def test_multi_row_kernels_equal_one_token_kernels(lib, qtype):
+    """rows_dot_multi / rows_axpy_multi on 7 tokens with their own row sets inside a union equal
+    rows_dot / rows_axpy of each token alone, bit for bit (native and portable builds)."""
+    F_, D, T = 96, 256, 7
+    gate, up, down = make(qtype, F_, D, 1), make(qtype, F_, D, 2), make(qtype, F_, D, 3)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, D, generator=g)
+    masks = torch.rand(T, F_, generator=g) < 0.3
+    masks[0] = False  # a token with no active row
+    idx = masks.any(0).nonzero().view(-1)
+    sel = masks[:, idx]
+    ga, ua = kernels.rows_dot_multi(x, idx, sel, gate, up, 0.0)
+    coef = torch.where(sel, torch.relu(ga) * ua, torch.zeros(()))
+    for chunk in (0, 32, 96):
+        out = kernels.rows_axpy_multi(idx, down, coef, chunk)
+        for t in range(T):
+            own = masks[t].nonzero().view(-1)
+            g1, u1 = kernels.rows_dot(x[t], own, gate, up, 0.0)
+            assert torch.equal(ga[t][sel[t]], g1) and torch.equal(ua[t][sel[t]], u1)
+            assert not ga[t][~sel[t]].any() and not ua[t][~sel[t]].any()
+            h1 = torch.relu(g1) * u1
+            assert torch.equal(out[t], kernels.rows_axpy(own, down, h1)), (t, chunk)
+    assert torch.equal(out[0], torch.zeros(D))
+
+
+def test_multi_row_kernels_refuse_what_they_cannot_take():
+    kernels.set_backend("auto")
+    w = torch.zeros(8, 32)
+    with pytest.raises(ValueError, match="QWeight"):
+        kernels.rows_dot_multi(torch.zeros(2, 32), torch.arange(2), torch.ones(2, 2, dtype=torch.bool), w)
+    with pytest.raises(ValueError, match="QWeight"):
+        kernels.rows_axpy_multi(torch.arange(2), w, torch.ones(2, 2))
+
+
+def test_bad_batch_calls_are_refused(files):
+    model = Transformer(open_gguf(files["q4_0"]))
+    dec = batch.BatchDecoder(model)
+    c = batch.new_cache(model, 16)
+    with pytest.raises(PowerInferError, match="one token, cache and position per sequence"):
+        dec.step([1, 2], [c], [0, 0])
+    with pytest.raises(PowerInferError, match="position 16 is past a sequence's context of 16"):
+        dec.step([1], [c], [16])
+    with pytest.raises(PowerInferError, match="outside 1..512"):
+        batch.new_cache(model, 513)
+    with pytest.raises(PowerInferError, match="20 tokens exceed the sequence's context of 16"):
+        batch.prefill(model, c, list(range(1, 21)), 0)
+    with pytest.raises(ValueError, match="ffn_mode 'both'"):
+        batch.BatchDecoder(model, "both")
+    model.placement = object()  # as GPU offload leaves it
+    with pytest.raises(PowerInferError, match="--vram-budget"):
+        batch.BatchDecoder(model)
