@@ -39,10 +39,16 @@ def files(tmp_path_factory, relu_hf):
     return out
 
 
-def alone(model, prompt, n):
-    """(greedy tokens, logits [n, V]) of ``prompt`` decoded by itself through the model's own path."""
+def alone(model, prompt, n, token_by_token=False):
+    """(greedy tokens, logits [n, V]) of ``prompt`` decoded by itself through the model's own path
+    (the prompt in one pass, or one token at a time)."""
     cache = batch.new_cache(model, 128)
-    logits = [batch.prefill(model, cache, prompt, 0)]
+    if token_by_token:
+        for i, t in enumerate(prompt[:-1]):
+            batch.prefill(model, cache, [t], i)
+        logits = [batch.prefill(model, cache, prompt[-1:], len(prompt) - 1)]
+    else:
+        logits = [batch.prefill(model, cache, prompt, 0)]
     toks = [int(logits[-1].argmax())]
     for i in range(n - 1):
         logits.append(batch.prefill(model, cache, [toks[-1]], len(prompt) + i))
@@ -93,6 +99,47 @@ def test_batch_logits_equal_each_sequence_alone(files, kind, mode):
         assert dec.stats["union"] > 0 and dec.stats["per-seq"] == 0 or dec.stats["union"] > dec.stats["per-seq"]
     if mode == "per-seq" or not sparse:
         assert dec.stats["union"] == 0
+
+
+@pytest.mark.parametrize("kind", ["f32", "q4_0"])
+def test_prompts_as_batch_entries_equal_token_by_token_decoding(files, kind):
+    """Prompts evaluated as entries of batched steps (3 tokens of one prompt per step beside the
+    other sequences' decode tokens, a cache appearing several times in a step) give each sequence
+    the logits of token-by-token decoding alone, bit for bit."""
+    kernels.set_backend("auto")
+    model = Transformer(open_gguf(files[kind]))
+    prompts = PROMPTS[:4]
+    want = [alone(model, p, 12, token_by_token=True) for p in prompts]
+    dec = batch.BatchDecoder(model, "auto")
+    caches = [batch.new_cache(model, 128) for _ in prompts]
+    done = [0] * len(prompts)
+    toks, logits = [[] for _ in prompts], [[] for _ in prompts]
+    while any(len(t) < 12 for t in toks):
+        tk, cs, ps, want_i, owner = [], [], [], [], []
+        for b, p in enumerate(prompts):
+            if done[b] < len(p):  # its next (at most) 3 prompt tokens
+                n = min(3, len(p) - done[b])
+                tk += p[done[b]:done[b] + n]
+                cs += [caches[b]] * n
+                ps += list(range(done[b], done[b] + n))
+                done[b] += n
+                if done[b] == len(p):
+                    want_i.append(len(tk) - 1)
+                    owner.append(b)
+            elif len(toks[b]) < 12:
+                tk.append(toks[b][-1])
+                cs.append(caches[b])
+                ps.append(len(p) + len(toks[b]) - 1)
+                want_i.append(len(tk) - 1)
+                owner.append(b)
+        out = dec.step(tk, cs, ps, want_i)
+        assert out.shape[0] == len(want_i)
+        for b, lg in zip(owner, out):
+            logits[b].append(lg)
+            toks[b].append(int(lg.argmax()))
+    for b in range(len(prompts)):
+        assert toks[b] == want[b][0]
+        assert torch.equal(torch.stack(logits[b]), want[b][1]), b
 
 
 def test_greedy_tokens_differ_between_sequences(files):
@@ -160,6 +207,8 @@ def test_bad_batch_calls_are_refused(files):
         dec.step([1, 2], [c], [0, 0])
     with pytest.raises(PowerInferError, match="position 16 is past a sequence's context of 16"):
         dec.step([1], [c], [16])
+    with pytest.raises(PowerInferError, match="position 3 of one sequence twice"):
+        dec.step([1, 2], [c, c], [3, 3])
     with pytest.raises(PowerInferError, match="outside 1..512"):
         batch.new_cache(model, 513)
     with pytest.raises(PowerInferError, match="20 tokens exceed the sequence's context of 16"):

@@ -103,11 +103,14 @@ def _shared(w) -> bool:
 
 
 def blinear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`kernels.linear` on ``[B, K]``: one call (weights read once) where that gives each row
-    its one-token numbers, else row by row."""
-    if x.shape[0] == 1 or (_shared(w) and x.shape[0] <= kernels.QGEMM_MAX_T):
+    """:func:`kernels.linear` on ``[B, K]``: one call per :data:`kernels.QGEMM_MAX_T` rows (weights read
+    once per call) where that gives each row its one-token numbers, else row by row."""
+    B, n = x.shape[0], kernels.QGEMM_MAX_T
+    if B == 1 or (_shared(w) and B <= n):
         return linear(x, w, b)
-    return torch.cat([linear(x[i:i + 1], w, b) for i in range(x.shape[0])])
+    if _shared(w):
+        return torch.cat([linear(x[i:i + n], w, b) for i in range(0, B, n)])
+    return torch.cat([linear(x[i:i + 1], w, b) for i in range(B)])
 
 
 def _act(kind: str, thr: float, v: torch.Tensor) -> torch.Tensor:
@@ -130,17 +133,25 @@ class BatchDecoder:
         self.stats = {"union": 0, "per-seq": 0, "t_union": 0.0, "t_per-seq": 0.0}
 
     # ------------------------------------------------------------------ one step
-    def step(self, tokens: Sequence[int], caches: Sequence[KVCache], positions: Sequence[int]) -> torch.Tensor:
-        """Run token ``tokens[b]`` of sequence ``b`` at position ``positions[b]`` with cache ``caches[b]``
-        (each sequence's earlier positions already there). Returns logits ``[B, V]`` fp32.
-        Raises PowerInferError when a position is past its cache or the lists differ in length."""
+    def step(self, tokens: Sequence[int], caches: Sequence[KVCache], positions: Sequence[int],
+             logits_for: Sequence[int] | None = None) -> torch.Tensor:
+        """Run token ``tokens[b]`` at position ``positions[b]`` with cache ``caches[b]``, for every entry
+        ``b``. A cache may appear several times (a sequence's prompt tokens at consecutive positions):
+        every entry's keys and values are written before any attends, so entry ``b`` sees its cache's
+        positions ``0..positions[b]``, earlier ones written before this step or in it. Returns fp32 logits
+        ``[len(logits_for), V]`` for the entries ``logits_for`` (default: all, ``[B, V]``).
+        Raises PowerInferError when a position is past its cache, repeats, or the lists differ in length."""
         B = len(tokens)
         if not (B == len(caches) == len(positions)) or B == 0:
             raise PowerInferError(f"a batch step needs one token, cache and position per sequence "
                                   f"(got {len(tokens)}, {len(caches)}, {len(positions)})")
+        seen = set()
         for c, p in zip(caches, positions):
             if not 0 <= p < cache_len(c):
                 raise PowerInferError(f"position {p} is past a sequence's context of {cache_len(c)} tokens")
+            if (id(c), p) in seen:
+                raise PowerInferError(f"position {p} of one sequence twice in a batch step")
+            seen.add((id(c), p))
         m = self.model
         with torch.inference_mode():
             x = embed(m.tok_embd, torch.tensor(list(tokens), dtype=torch.long)).to(m.dtype)  # [B, D]
@@ -149,6 +160,8 @@ class BatchDecoder:
                 x = x + m.pos_embd[torch.tensor([p + off for p in positions])]
             for i, layer in enumerate(m.layers):
                 x = self._block(i, layer, x, caches, positions)
+            if logits_for is not None:
+                x = x[torch.tensor(list(logits_for), dtype=torch.long)]
             return blinear(m.output_norm(x), m.output).float()
 
     def _block(self, i: int, layer: Layer, x, caches, positions) -> torch.Tensor:
@@ -165,8 +178,8 @@ class BatchDecoder:
         qkv = blinear(x, layer.wqkv, layer.bqkv)  # [B, (Hq + 2Hkv) d]: every sequence's QKV from one read
         q, k, v = qkv.split([a.n_head * hd, a.n_head_kv * hd, a.n_head_kv * hd], dim=-1)
         W = a.sliding_window
-        out = []
-        for b, (cache, pos) in enumerate(zip(caches, positions)):  # per sequence: its position and cache
+        qs = []
+        for b, (cache, pos) in enumerate(zip(caches, positions)):  # every entry's keys and values first
             qb, kb = q[b:b + 1].view(1, a.n_head, hd), k[b:b + 1].view(1, a.n_head_kv, hd)
             if m.rope is not None:
                 cos, sin = m.cos[pos:pos + 1], m.sin[pos:pos + 1]
@@ -174,8 +187,12 @@ class BatchDecoder:
             ck, cv = cache.layer(i)
             ck[pos:pos + 1] = kb
             cv[pos:pos + 1] = v[b:b + 1].view(1, a.n_head_kv, hd)
+            qs.append(qb[0])
+        out = []
+        for b, (cache, pos) in enumerate(zip(caches, positions)):  # then one query each against its cache
+            ck, cv = cache.layer(i)
             k0 = max(0, pos + 1 - W) if W else 0
-            out.append(attend_one(qb[0], ck[k0:pos + 1], cv[k0:pos + 1]).reshape(a.n_head * hd))
+            out.append(attend_one(qs[b], ck[k0:pos + 1], cv[k0:pos + 1]).reshape(a.n_head * hd))
         return blinear(torch.stack(out), layer.wo, layer.bo)
 
     # ------------------------------------------------------------------ FFN
@@ -195,7 +212,9 @@ class BatchDecoder:
         return self.ffn_mode
 
     def _ffn(self, i: int, layer: Layer, h: torch.Tensor, xn: torch.Tensor) -> torch.Tensor:
-        m, B = self.model, h.shape[0]
+        m, B, n = self.model, h.shape[0], kernels.QGEMM_MAX_T
+        if B > n:  # the several-token kernels take at most n tokens a call
+            return torch.cat([self._ffn(i, layer, h[j:j + n], xn[j:j + n]) for j in range(0, B, n)])
         mode = self.mode_for(layer, B)
         t0 = time.perf_counter()
         if mode == "union":

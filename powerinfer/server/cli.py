@@ -49,9 +49,9 @@ def _check_port_free(host: str, port: int) -> None:
               help="Context length in all, split evenly across the -np slots as llama-server splits it (0: the model's).")
 @click.option("-np", "--parallel", "n_parallel", default=1, show_default=True, type=click.IntRange(1, 256),
               help="Slots: requests decoded at once, one token each per batched step (continuous batching).")
-@click.option("-ub", "--ubatch-size", "ubatch", default=64, show_default=True, type=click.IntRange(1, 1 << 16),
-              help="Prompt tokens evaluated between two decode steps while other slots generate "
-                   "(a running stream waits at most that long for a new prompt).")
+@click.option("-ub", "--ubatch-size", "ubatch", default=32, show_default=True, type=click.IntRange(1, 1 << 16),
+              help="With -np > 1: prompt tokens evaluated per batched step beside the generating slots' tokens "
+                   "(a running stream waits at most one such step for a new prompt).")
 @click.option("--ffn-batch", type=click.Choice(["auto", "union", "per-seq"]), default="auto", show_default=True,
               help="Sparse FFN over a batch: union of the sequences' active rows, per-sequence rows, or by measured batch size.")
 @click.option("--metrics", "metrics", is_flag=True, help="Serve GET /metrics (Prometheus text format).")

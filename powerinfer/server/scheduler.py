@@ -11,16 +11,20 @@ One worker thread runs the loop; each iteration:
 
 1. admits waiting requests to free slots and frees the slots whose request was cancelled (the
    client went away) or ended;
-2. evaluates prompt tokens of one admitted request (the earliest): its whole prompt when no
-   other slot is generating, else at most ``ubatch`` tokens, so a running stream waits at most
-   one chunk of ``ubatch`` prompt tokens between two of its tokens;
-3. decodes one token for every generating slot in one forward pass
-   (:class:`~powerinfer.runtime.batch.BatchDecoder`; one slot alone takes the model's own
-   decode path), samples each slot's next token, streams its text, and ends the requests that
-   are done; a finished request's slot is free for the next iteration.
+2. runs one forward pass (:class:`~powerinfer.runtime.batch.BatchDecoder`) over the pending token
+   of every generating slot and up to ``ubatch`` prompt tokens of the admitted requests (the
+   earliest first, each token at its own position: a prompt is a run of entries of one sequence),
+   so a running stream waits at most one step of ``ubatch`` prompt tokens plus the batch's own
+   tokens between two of its tokens, and several new prompts share their weight reads;
+3. samples each generating slot's next token (and the first token of a prompt just completed),
+   streams its text, and ends the requests that are done; a finished request's slot is free for
+   the next iteration.
+
+Every entry's numbers are those of token-by-token decoding (batch.py), so a request's tokens do
+not depend on what else is in the batch: its greedy text alone and beside others is the same.
 
 With ``-np 1`` this is the one-request-at-a-time FIFO server it was: one slot, whose KV cache is
-the model's own (GPU offload included), whole prompts, the model's decode path.
+the model's own (GPU offload included), the whole prompt in one prompt pass, the model's decode path.
 """
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ from ..runtime.tokenizer import GGUFTokenizer, TextStream
 from .engine import Job, QueueFull, Result
 
 log = logging.getLogger("powerinfer.server")
-DEFAULT_UBATCH = 64  # prompt tokens evaluated between two decode steps while other slots generate
+DEFAULT_UBATCH = 32  # prompt tokens per batched step (-np > 1)
 
 
 @dataclass(eq=False)
@@ -174,8 +178,11 @@ class Scheduler:
             for s in self.slots:
                 if s.job is not None and s.job.cancel.is_set():
                     self._finish(s, "cancelled")
-            self._prompt_work()
-            self._decode_step()
+            if self.decoder is None:  # -np 1: whole prompts and the model's decode path, as ever
+                self._prompt_work()
+                self._decode_step()
+            else:
+                self._batch_step()
 
     def _admit(self) -> list[Slot]:
         """Waiting requests into free slots (called with the lock held)."""
@@ -240,6 +247,63 @@ class Scheduler:
         if s.n_done == len(ids):
             s.state, s.pos, s.t_gen0 = "generating", len(ids), time.perf_counter()
             self._next(s, logits)
+
+    def _batch_step(self) -> None:
+        """One forward pass (-np > 1): the pending token of every generating slot, and up to ``ubatch``
+        prompt tokens of the admitted requests (earliest first) as entries at their own positions;
+        a prompt evaluated so equals token-by-token decoding, bit for bit, batch or not."""
+        gen = [s for s in self.slots if s.state == "generating" and s.pending is not None]
+        toks, caches, pos, want = [], [], [], []
+        for s in gen:
+            want.append(len(toks))
+            toks.append(s.pending)
+            caches.append(s.cache)
+            pos.append(s.pos)
+        budget, chunks = self.ubatch, []
+        for s in sorted((s for s in self.slots if s.state == "prompt"), key=lambda s: s.t_admit):
+            if budget == 0:
+                break
+            ids = s.job.ids
+            n = min(budget, len(ids) - s.n_done)
+            toks.extend(ids[s.n_done:s.n_done + n])
+            caches.extend([s.cache] * n)
+            pos.extend(range(s.n_done, s.n_done + n))
+            budget -= n
+            done = s.n_done + n == len(ids)
+            if done:
+                want.append(len(toks) - 1)
+            chunks.append((s, n, done))
+        if not toks:
+            return
+        t0 = time.perf_counter()
+        try:
+            logits = self.decoder.step(toks, caches, pos, want)
+        except Exception as e:  # noqa: BLE001
+            for s in gen + [c[0] for c in chunks]:
+                self._fail(s, e)
+            return
+        dt = time.perf_counter() - t0
+        n_prompt = len(toks) - len(gen)
+        self.t_prompt += dt * n_prompt / len(toks)  # the step's time shared by entry
+        self.n_prompt_tokens += n_prompt
+        if gen:
+            self.t_decode += dt * len(gen) / len(toks)
+            self.n_decode_steps += 1
+            self.n_decode_seqs += len(gen)
+        for s, lg in zip(gen, logits):
+            s.cached.append(s.pending)
+            s.pos += 1
+            s.st.n_eval += 1
+            self._next(s, lg)
+        k = len(gen)
+        for s, n, done in chunks:
+            s.st.t_prompt += dt
+            s.n_done += n
+            s.cached = list(s.job.ids[:s.n_done])
+            if done:
+                s.state, s.pos, s.t_gen0 = "generating", s.n_done, time.perf_counter()
+                self._next(s, logits[k])
+                k += 1
 
     def _decode_step(self) -> None:
         run = [s for s in self.slots if s.state == "generating" and s.pending is not None]
