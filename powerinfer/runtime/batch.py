@@ -177,17 +177,17 @@ class BatchDecoder:
         a, hd = m.args, m.args.head_dim
         qkv = blinear(x, layer.wqkv, layer.bqkv)  # [B, (Hq + 2Hkv) d]: every sequence's QKV from one read
         q, k, v = qkv.split([a.n_head * hd, a.n_head_kv * hd, a.n_head_kv * hd], dim=-1)
-        W = a.sliding_window
-        qs = []
+        W, B = a.sliding_window, x.shape[0]
+        q, k, v = q.reshape(B, a.n_head, hd), k.reshape(B, a.n_head_kv, hd), v.reshape(B, a.n_head_kv, hd)
+        if m.rope is not None:  # elementwise: each row as it is alone (tests/test_batch.py checks the bits)
+            p = torch.tensor(list(positions), dtype=torch.long)
+            cos, sin = m.cos[p], m.sin[p]
+            q, k = m.rope(q, cos, sin), m.rope(k, cos, sin)
         for b, (cache, pos) in enumerate(zip(caches, positions)):  # every entry's keys and values first
-            qb, kb = q[b:b + 1].view(1, a.n_head, hd), k[b:b + 1].view(1, a.n_head_kv, hd)
-            if m.rope is not None:
-                cos, sin = m.cos[pos:pos + 1], m.sin[pos:pos + 1]
-                qb, kb = m.rope(qb, cos, sin), m.rope(kb, cos, sin)
             ck, cv = cache.layer(i)
-            ck[pos:pos + 1] = kb
-            cv[pos:pos + 1] = v[b:b + 1].view(1, a.n_head_kv, hd)
-            qs.append(qb[0])
+            ck[pos] = k[b]
+            cv[pos] = v[b]
+        qs = q
         out = []
         for b, (cache, pos) in enumerate(zip(caches, positions)):  # then one query each against its cache
             ck, cv = cache.layer(i)
