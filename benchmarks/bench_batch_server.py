@@ -19,9 +19,11 @@ round, and fairness as the slowest client's tokens/s over the fastest one's (1.0
 Text: each prompt's greedy text with 8 clients is compared with its text alone (C = 1, same
 prompt), over the first 32 tokens' worth of text, for both engines.
 
-Stall: 4 streams of 192 tokens run; once each has streamed, a 512-token prompt is sent; the
-largest gap between two streamed chunks of a running stream while that prompt is admitted is
-reported (llama.cpp evaluates a whole ubatch of 512 at once; ours ``-ub`` 64 per step).
+Stall: on servers restarted with ``-np 3`` (a 512-token prompt needs a slot longer than the
+256 tokens of ``-np 8``), 2 streams of 160 tokens run; once both have streamed, a 512-token
+prompt is sent; the largest gap between two streamed chunks of a running stream while that
+prompt is admitted is reported (llama.cpp evaluates a whole ubatch of 512 at once; ours ``-ub``
+prompt tokens per step).
 Needs llama-server built outside the repository (cmake --build build --target llama-server).
 """
 from __future__ import annotations
@@ -86,6 +88,8 @@ def stream(url: str, prompt, n: int, t_start: float, out: dict) -> None:
     out["chunks"] = chunks  # filled as text arrives (the stall measurement watches it)
     t0 = time.perf_counter()
     with httpx.stream("POST", url + "/completion", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            raise SystemExit(f"{url}: HTTP {r.status_code}: {r.read().decode()[:300]}")
         for line in r.iter_lines():
             if not line.startswith("data: "):
                 continue
@@ -122,7 +126,10 @@ def stall(srv: ServerProc, prompts: list[str], long_prompt: list[int], n: int) -
     threads = [threading.Thread(target=stream, args=(srv.url, p, n, t_start, o)) for p, o in zip(prompts, outs)]
     for t in threads:
         t.start()
+    deadline = time.time() + 300
     while not all(o.get("chunks") for o in outs):  # every stream running
+        if time.time() > deadline or not all(t.is_alive() or o.get("chunks") for t, o in zip(threads, outs)):
+            raise SystemExit(f"{srv.name}: the streams of the stall test did not start")
         time.sleep(0.01)
     long_out: dict = {}
     t_admit = time.perf_counter()
@@ -150,6 +157,8 @@ def main() -> None:
     ap.add_argument("--clients", default="1,2,4,8")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--prompt-words", type=int, default=24, help="words of text per prompt (~32 tokens)")
+    ap.add_argument("--long", type=int, default=512, help="tokens of the prompt admitted in the stall test")
     ap.add_argument("--no-llama", action="store_true", help="ours only")
     ap.add_argument("--extra", default="", help="extra pi-server flags, e.g. '--ffn-batch per-seq'")
     a = ap.parse_args()
@@ -160,20 +169,24 @@ def main() -> None:
         out = []
         for _ in range(k):
             i = counter[0] = counter[0] + 1
-            out.append(" ".join(text[(i * 37) % (len(text) - 40):][:24]))
+            out.append(" ".join(text[(i * 37) % (len(text) - 40):][:a.prompt_words]))
         return out
 
-    servers = []
-    print(f"load average before: {load_avg()}", flush=True)
-    p = free_port()
-    servers.append(ServerProc("pi-server", [sys.executable, "-m", "powerinfer.server.cli", "-m", a.ours, "--port",
-                                            str(p), "-t", str(a.threads), "-np", str(a.parallel), "-c", str(a.ctx),
-                                            "--log-level", "warning", *a.extra.split()], p))
-    if not a.no_llama:
+    def start(n_par: int) -> list[ServerProc]:
+        out = []
         p = free_port()
-        servers.append(ServerProc("llama-server", [a.llama_server, "-m", a.llama, "--port", str(p), "-t",
-                                                   str(a.threads), "-tb", str(a.threads), "-np", str(a.parallel),
+        out.append(ServerProc("pi-server", [sys.executable, "-m", "powerinfer.server.cli", "-m", a.ours, "--port",
+                                            str(p), "-t", str(a.threads), "-np", str(n_par), "-c", str(a.ctx),
+                                            "--log-level", "warning", *a.extra.split()], p))
+        if not a.no_llama:
+            p = free_port()
+            out.append(ServerProc("llama-server", [a.llama_server, "-m", a.llama, "--port", str(p), "-t",
+                                                   str(a.threads), "-tb", str(a.threads), "-np", str(n_par),
                                                    "-cb", "-c", str(a.ctx), "--log-disable"], p))
+        return out
+
+    print(f"load average before: {load_avg()}", flush=True)
+    servers = start(a.parallel)
     try:
         for s in servers:  # warm-up: weights paged in, kernels built
             run_clients(s, prompts(2), 8)
@@ -190,10 +203,20 @@ def main() -> None:
                     res[(s.name, c)].append(out)
                     print(f"  round {r + 1} {s.name} C={c}: {out['agg']:.2f} tok/s, TTFT max "
                           f"{max(out['ttft']):.2f} s, fairness {out['fair']:.2f}, tokens {out['tokens']}", flush=True)
-        long_ids = [1] + [500 + (i * 7919) % 31000 for i in range(511)]  # 512 tokens, no cached prefix
-        stalls = {s.name: stall(s, prompts(4), long_ids, 192) for s in servers}
     finally:
         for s in servers:
+            s.stop()
+    # the stall: a 512-token prompt needs a slot of more than 512 tokens: -np 3 (682 each of 2048)
+    stalls = {}
+    servers3 = start(3)
+    try:
+        long_ids = [1] + [500 + (i * 7919) % 31000 for i in range(a.long - 1)]  # no cached prefix
+        for s in servers3:
+            run_clients(s, prompts(1), 4)
+            stalls[s.name] = stall(s, prompts(2), long_ids, min(160, a.ctx // 3 - 40))
+            print(f"  {s.name}: stall {stalls[s.name][0]:.2f} s", flush=True)
+    finally:
+        for s in servers3:
             s.stop()
     print(f"\n{a.threads} threads, -np {a.parallel}, {a.n} tokens per client, load average {load_avg()}")
     print("| engine | clients | aggregate tok/s | x one client | TTFT p50 s | TTFT p95 s | fairness (min/max) |")
@@ -214,11 +237,13 @@ def main() -> None:
             theirs = statistics.median(x["agg"] for x in res[("llama-server", c)])
             print(f"C={c}: pi-server / llama-server aggregate = {ours / theirs:.2f}")
     for s in servers:
+        if s.name not in stalls:
+            continue
         eq = sum(x == y for x, y in zip(alone[s.name], together[s.name]))
         print(f"{s.name}: greedy text of {len(same_prompts)} clients at once equals alone for {eq} of "
               f"{len(same_prompts)} (32 tokens)")
         gap, ttft = stalls[s.name]
-        print(f"{s.name}: 512-token prompt admitted beside 4 streams: longest stream stall {gap:.2f} s, "
+        print(f"{s.name}: {a.long}-token prompt admitted beside 2 streams: longest stream stall {gap:.2f} s, "
               f"its first token after {ttft:.2f} s")
 
 
