@@ -111,7 +111,7 @@ def main() -> None:
             rows.append((B, mode, ffn * 1e3, step * 1e3, B / step, us, ss, same))
             print(f"B={B} {mode:8s}: FFN {ffn * 1e3:7.1f} ms/step, step {step * 1e3:7.1f} ms, {B / step:6.2f} tok/s, "
                   f"union {us:.1%} of n_ff vs summed {ss:.1%}, same tokens: {same}", flush=True)
-    print(f"\n| B | FFN mode | FFN ms/step | step ms | aggregate tok/s | union rows | summed rows |")
+    print("\n| B | FFN mode | FFN ms/step | step ms | aggregate tok/s | union rows | summed rows |")
     print("|---|---|---|---|---|---|---|")
     for B, mode, f, s, tps, us, ss, _ in rows:
         print(f"| {B} | {mode} | {f:.1f} | {s:.1f} | {tps:.2f} | {us:.1%} | {ss:.1%} |")

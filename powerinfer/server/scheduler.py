@@ -85,8 +85,8 @@ class Slot:
 class Scheduler:
     """``n_slots`` slots over one model and a worker thread; ``submit`` is called from the event loop.
 
-    ``n_ctx``: tokens per slot (``model.n_ctx // n_slots``); ``ubatch``: prompt tokens per chunk
-    while other slots generate; ``ffn_mode``: :class:`BatchDecoder`'s. Raises PowerInferError when
+    ``n_ctx``: tokens per slot (``model.n_ctx // n_slots``); ``ubatch``: prompt tokens per batched
+    step (``n_slots > 1``); ``ffn_mode``: :class:`BatchDecoder`'s. Raises PowerInferError when
     the model cannot run several sequences (GPU offload with ``n_slots > 1``) or a slot's context
     would be empty."""
 
@@ -121,10 +121,6 @@ class Scheduler:
     def n_processing(self) -> int:
         """Slots holding a request."""
         return sum(s.job is not None for s in self.slots)
-
-    @property
-    def busy(self) -> bool:
-        return self.n_processing > 0
 
     @property
     def n_waiting(self) -> int:
@@ -228,10 +224,9 @@ class Scheduler:
         waiting = [s for s in self.slots if s.state == "prompt"]
         if not waiting:
             return
-        s = min(waiting, key=lambda s: s.t_admit)
+        s = min(waiting, key=lambda s: s.t_admit)  # -np 1: the one slot, its whole prompt in one pass
         ids = s.job.ids
-        others = any(x.state == "generating" for x in self.slots)
-        n = len(ids) - s.n_done if not others else min(self.ubatch, len(ids) - s.n_done)
+        n = len(ids) - s.n_done
         t0 = time.perf_counter()
         try:
             logits = prefill(self.model, s.cache, ids[s.n_done:s.n_done + n], s.n_done)
