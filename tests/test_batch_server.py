@@ -33,7 +33,7 @@ def q4_gguf(tmp_path_factory, relu_hf):
 
 
 def _metrics(s: Server) -> dict[str, float]:
-    r = httpx.get(s.url + "/metrics", timeout=5)
+    r = httpx.get(s.url + "/metrics", timeout=30)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     out = {}
     for fam in text_string_to_metric_families(r.text):
@@ -52,7 +52,7 @@ def _all_idle(s: Server, deadline_s: float = 30) -> list[dict]:
     """Poll /slots until every slot is idle (an event, not a guessed sleep)."""
     end = time.time() + deadline_s
     while time.time() < end:
-        slots = httpx.get(s.url + "/slots", timeout=5).json()
+        slots = httpx.get(s.url + "/slots", timeout=30).json()
         if not any(x["is_processing"] for x in slots) and s.health()["requests_waiting"] == 0:
             return slots
         time.sleep(0.05)
