@@ -1,0 +1,721 @@
+"""Cold FFN rows read from disk under a RAM budget (``--ram-budget``; plan in :mod:`.residency`).
+
+**Sources.** A neuron's rows are read either from the PowerInfer GGUF itself (gate, up and
+down_t rows of neuron ``j`` lie in three tensors: three reads, in neuron order) or from a
+*row cache*: one file beside the kernels' cache (``~/.cache/powerinfer/rows/``, or
+``$POWERINFER_ROW_CACHE``, a folder) holding, per layer, each neuron's gate, up and down
+rows as one record (padded to whole pages), the layer's hot neurons first, then by
+activation count: one read per neuron, and neurons likely to be needed together lie side by
+side, so runs of them coalesce (row-column bundling, LLM in a Flash). The GGUF stays as it
+is; the row cache is written atomically on first use (a few seconds per GB) and is used
+only while it matches the GGUF (header hash and size, row types, record order), else
+rebuilt. ``$POWERINFER_ROW_CACHE=off`` reads the GGUF.
+
+**Reads.** Per layer and token, the predicted-active neurons not resident are read in one
+batch: sorted by file position, neighbours within :data:`MAX_GAP` records merged into one
+``preadv`` that scatters each row straight into its slot (the records between land in a
+junk buffer), :data:`IO_THREADS` reads in flight (``os.preadv`` releases the GIL). While
+they are in flight the resident neurons' gate/up products run. The file is opened with
+``POSIX_FADV_RANDOM`` (no readahead) and the pages a layer read are dropped from the page
+cache afterwards (``POSIX_FADV_DONTNEED``), so the page cache does not grow past the budget.
+
+**Resident rows.** Each layer holds one slab per FFN matrix (``[hot + window, n_embd]`` in
+the file's type, a :class:`QWeight`): slots ``0..hot-1`` the pinned hot neurons (read once
+at load), the rest the reuse window (least recently used slot replaced first). The
+products run on the slab with the same row kernels as the full matrices, the slots given in
+neuron order, so a token's numbers equal those of the unlimited run (unless one token
+needs more cold neurons in a layer than the window holds: those run in two passes whose
+sums are added, which may round differently).
+
+**Errors.** A short read (the file shrank), a read error, or a file whose size, time stamp
+or inode changed since it was opened is a PowerInferError naming the file (and the offset
+for reads); every forward pass checks first (:meth:`RowReader.check`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import PowerInferError
+from ..formats.gguf_file import GGUFFile
+from ..quant.qweight import MAPPED_TYPES, QWeight
+from . import kernels
+from .residency import ResidencyPlan
+
+log = logging.getLogger(__name__)
+
+IO_THREADS = 16  # reads in flight
+MAX_GAP = 2  # records (or rows) between two needed ones still read in one request
+MAX_IOV = 1000  # buffers per preadv (IOV_MAX is 1024 on Linux)
+PAGE = 4096
+ROW_CACHE_ENV = "POWERINFER_ROW_CACHE"
+MAGIC = b"PIROWS01"
+HEADER_MAX = 1 << 20
+
+
+# ---------------------------------------------------------------------------- file identity
+@dataclass(frozen=True)
+class _Stamp:
+    size: int
+    mtime_ns: int
+    ino: int
+    dev: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> "_Stamp":
+        return cls(st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+
+
+class _File:
+    """One file opened for reads, with its identity when opened."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self.stamp = _Stamp.of(os.fstat(self.fd))
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
+
+    def check(self) -> None:
+        """PowerInferError when the file was truncated, rewritten or replaced since it was opened."""
+        try:
+            now, named = _Stamp.of(os.fstat(self.fd)), _Stamp.of(os.stat(self.path))
+        except OSError as e:
+            raise PowerInferError(f"{self.path}: changed while running ({e.strerror or e})") from None
+        if now != self.stamp or (named.ino, named.dev) != (self.stamp.ino, self.stamp.dev):
+            what = ("truncated or extended" if now.size != self.stamp.size else
+                    "replaced" if (named.ino, named.dev) != (now.ino, now.dev) else "rewritten")
+            raise PowerInferError(f"{self.path}: the file was {what} while running: its rows can no longer be read")
+
+    def drop_cache(self, off: int, n: int) -> None:
+        if n > 0 and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _preadv(f: _File, bufs: list, off: int, n: int) -> int:
+    """Read ``n`` bytes at ``off`` into ``bufs``; PowerInferError naming the file and offset on an
+    error or a short read."""
+    try:
+        got = os.preadv(f.fd, bufs, off)
+    except OSError as e:
+        raise PowerInferError(f"{f.path}: read error at offset {off} ({n} bytes): {e.strerror or e}") from None
+    if got != n:
+        raise PowerInferError(f"{f.path}: short read at offset {off}: {got} of {n} bytes (the file is "
+                              f"{os.fstat(f.fd).st_size} bytes now, {f.stamp.size} when opened): it changed while running")
+    return got
+
+
+# ---------------------------------------------------------------------------- sources
+@dataclass
+class Stream:
+    """Records of one layer in one file: record ``p`` at ``base + p * stride`` holds parts
+    ``(offset in record, bytes, matrix)``; ``pos[j]``: neuron ``j``'s record."""
+
+    file: _File
+    base: int
+    stride: int
+    parts: list[tuple[int, int, int]]
+    pos: np.ndarray  # int64 [n_ff]
+
+
+def _page_round(n: int) -> int:
+    if n >= PAGE // 2:
+        return -(-n // PAGE) * PAGE
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def default_cache_dir() -> Path | None:
+    """The row cache folder (None: ``$POWERINFER_ROW_CACHE=off``)."""
+    env = os.environ.get(ROW_CACHE_ENV)
+    if env == "off":
+        return None
+    if env:
+        return Path(env)
+    return kernels._cache_dir() / "rows"
+
+
+def _cache_header(g: GGUFFile, plan: ResidencyPlan) -> dict:
+    from ..formats.gpuidx import model_identity
+
+    order = np.stack([np.asarray(o, dtype=np.int32) for o in plan.order])
+    return {"version": 1, "model_id": model_identity(g), "n_layer": plan.n_layer, "n_ff": plan.n_ff,
+            "parts": [list(p) for p in plan.parts], "record": _page_round(plan.neuron_bytes),
+            "order_sha": hashlib.sha256(order.tobytes()).hexdigest()[:32]}
+
+
+def _cache_path(folder: Path, g: GGUFFile, head: dict) -> Path:
+    key = hashlib.sha256(head["model_id"].encode()).hexdigest()[:16]
+    return folder / f"{Path(g.path).name}.{key}.pirows"
+
+
+def _read_cache_header(path: Path) -> tuple[dict, int] | None:
+    """(header, data start) of a row cache, or None when it is not one."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+            if len(head) != 16 or head[:8] != MAGIC:
+                return None
+            n = int.from_bytes(head[8:16], "little")
+            if not 0 < n <= HEADER_MAX:
+                return None
+            meta = json.loads(f.read(n).decode())
+            return meta, -(-(16 + n) // PAGE) * PAGE
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def write_row_cache(g: GGUFFile, plan: ResidencyPlan, path: Path) -> None:
+    """Write the row cache of ``g`` in ``plan.order`` to ``path`` (atomically): header, then per
+    layer ``n_ff`` records of :func:`_page_round` (neuron bytes) bytes. Reads one FFN matrix at a
+    time with ``pread`` (its pages dropped after), so it stays within the plan's budget."""
+    from ..formats._atomic import atomic_path
+
+    head = _cache_header(g, plan)
+    rec = head["record"]
+    blob = json.dumps(head).encode()
+    start = -(-(16 + len(blob)) // PAGE) * PAGE
+    src = _File(Path(g.path))
+    t0 = time.perf_counter()
+    try:
+        with atomic_path(path) as tmp:
+            with open(tmp, "wb") as out:
+                out.write(MAGIC + len(blob).to_bytes(8, "little") + blob)
+                out.write(b"\0" * (start - out.tell()))
+                step = max(1, (8 << 20) // rec)
+                for i in range(plan.n_layer):
+                    mats = []
+                    for suffix, kind, rb in plan.parts:
+                        t = g.tensors[f"blk.{i}.{suffix}"]
+                        m = np.empty((plan.n_ff, rb), dtype=np.uint8)
+                        _preadv(src, [m], int(t.data_offset), m.nbytes)
+                        src.drop_cache(int(t.data_offset), m.nbytes)
+                        bad = QWeight(torch.from_numpy(m), MAPPED_TYPES[kind], plan.n_ff,
+                                      m.shape[1] * MAPPED_TYPES[kind].block // MAPPED_TYPES[kind].nbytes
+                                      ).first_nonfinite_row()
+                        if bad is not None:
+                            raise PowerInferError(f"{g.path}: tensor 'blk.{i}.{suffix}' ({kind}) has a NaN or infinite "
+                                                  f"block scale in row {bad}: the file is corrupt")
+                        mats.append(m)
+                    order = plan.order[i]
+                    for p0 in range(0, plan.n_ff, step):
+                        ids = order[p0:p0 + step]
+                        buf = np.zeros((len(ids), rec), dtype=np.uint8)
+                        o = 0
+                        for m, (_, _, rb) in zip(mats, plan.parts):
+                            buf[:, o:o + rb] = m[ids]
+                            o += rb
+                        out.write(buf.data)
+                    out.flush()
+                    os.fdatasync(out.fileno())
+                    if hasattr(os, "posix_fadvise"):
+                        os.posix_fadvise(out.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                    del mats
+    finally:
+        src.close()
+    log.warning("wrote the row cache %s (%.1f GB, %.0f s)", path, path.stat().st_size / 1e9, time.perf_counter() - t0)
+
+
+def open_streams(g: GGUFFile, plan: ResidencyPlan, note=None) -> tuple[list[list[Stream]], list[_File], str]:
+    """Per layer the streams its FFN rows are read from, the files opened, and a description.
+    Uses (building it when missing or stale) the row cache unless ``$POWERINFER_ROW_CACHE=off``."""
+    folder = default_cache_dir()
+    gguf = _File(Path(g.path))
+    if folder is None:
+        streams = []
+        for i in range(plan.n_layer):
+            streams.append([Stream(gguf, int(g.tensors[f"blk.{i}.{s}"].data_offset), rb, [(0, rb, m)],
+                                   np.arange(plan.n_ff, dtype=np.int64))
+                            for m, (s, _, rb) in enumerate(plan.parts)])
+        return streams, [gguf], f"rows read from {g.path} (3 reads per neuron)"
+    head = _cache_header(g, plan)
+    path = _cache_path(folder, g, head)
+    rec = head["record"]
+    want = None
+    found = _read_cache_header(path) if path.is_file() else None
+    if found is not None:
+        meta, start = found
+        want = start + plan.n_layer * plan.n_ff * rec
+        if meta != head or path.stat().st_size != want:
+            log.warning("%s: does not match %s (or its activation order): rebuilding it", path, g.path)
+            found = None
+    if found is None:
+        folder.mkdir(parents=True, exist_ok=True)
+        if note is not None:
+            note(f"writing the row cache {path} ({plan.ffn_bytes / 1e9:.1f} GB of FFN rows, once)")
+        write_row_cache(g, plan, path)
+        found = _read_cache_header(path)
+        if found is None:
+            raise PowerInferError(f"{path}: the row cache just written does not read back")
+    _, start = found
+    f = _File(path)
+    want = start + plan.n_layer * plan.n_ff * rec
+    if f.stamp.size != want:
+        raise PowerInferError(f"{path}: {f.stamp.size} bytes, expected {want}: a row cache that does not match {g.path}")
+    streams = []
+    parts, o = [], 0
+    for m, (_, _, rb) in enumerate(plan.parts):
+        parts.append((o, rb, m))
+        o += rb
+    for i in range(plan.n_layer):
+        pos = np.empty(plan.n_ff, dtype=np.int64)
+        pos[plan.order[i]] = np.arange(plan.n_ff)
+        streams.append([Stream(f, start + i * plan.n_ff * rec, rec, parts, pos)])
+    gguf.close()  # the GGUF's identity is checked by the model's own map (RowReader.watch)
+    return streams, [f], f"rows read from the row cache {path} (1 read per neuron)"
+
+
+# ---------------------------------------------------------------------------- the reader
+@dataclass
+class ReadStats:
+    reads: int = 0  # preadv calls
+    bytes: int = 0  # bytes read (the junk between merged records included)
+    neurons: int = 0  # neurons read
+    active: int = 0  # predicted-active neurons over all layers and tokens
+    hot_hits: int = 0  # of them pinned resident
+    window_hits: int = 0  # of them found in the reuse window
+    tokens: int = 0  # forward-pass tokens (one per layer-0 call)
+    split: int = 0  # token-layer steps whose non-pinned neurons outnumbered the window (several passes)
+    t_wait: float = 0.0  # seconds waiting for reads
+    t_load: float = 0.0  # seconds reading the hot rows at load
+
+    def reset(self) -> None:
+        for k in ("reads", "bytes", "neurons", "active", "hot_hits", "window_hits", "tokens", "split"):
+            setattr(self, k, 0)
+        self.t_wait = 0.0
+
+
+class RowReader:
+    """Reads neurons' rows into slab slots; one per model (a thread pool shared by the layers)."""
+
+    def __init__(self, files: list[_File], watch: list[_File] | None = None, threads: int = IO_THREADS):
+        self.files = files
+        self.watch = list(files) + list(watch or [])
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="powerinfer-rows")
+        self.stats = ReadStats()
+        self.verify = False  # check the block scales of every row read (rows straight from the GGUF)
+        self._junk = np.empty(1 << 20, dtype=np.uint8)
+        self._jv = memoryview(self._junk)
+
+    def check(self) -> None:
+        """PowerInferError when a file read from changed since it was opened."""
+        for f in self.watch:
+            f.check()
+
+    def submit(self, streams: list[Stream], neurons: np.ndarray, slots: np.ndarray,
+               slabs: list[memoryview], row_bytes: list[int], count: bool = True) -> list:
+        """Start reading ``neurons`` (int64 ``[m]``) into ``slots`` of ``slabs`` (flat byte views,
+        one per matrix); returns the futures (each returns bytes read). ``count``: add the reads
+        to :attr:`stats` (not for the hot rows read at load)."""
+        futs = []
+        for st in streams:
+            pos = st.pos[neurons]
+            order = np.argsort(pos, kind="stable")
+            pos, sl = pos[order], slots[order]
+            cuts = np.flatnonzero(np.diff(pos) > MAX_GAP + 1) + 1
+            for run_pos, run_sl in zip(np.split(pos, cuts), np.split(sl, cuts)):
+                for job in self._iov_jobs(st, run_pos.tolist(), run_sl.tolist(), slabs, row_bytes):
+                    futs.append(self.pool.submit(_preadv, *job))
+                    if count:
+                        self.stats.reads += 1
+                        self.stats.bytes += job[3]
+        if count:
+            self.stats.neurons += len(neurons)
+        return futs
+
+    def _iov_jobs(self, st: Stream, pos: list[int], slots: list[int], slabs, row_bytes):
+        """``(file, buffers, offset, nbytes)`` for one run of records, split at MAX_IOV buffers."""
+        jv, rec = self._jv, st.stride
+        bufs: list = []
+        start = prev = pos[0]
+        for p, s in zip(pos, slots):
+            if len(bufs) + 2 * len(st.parts) + 2 > MAX_IOV:
+                yield st.file, bufs, st.base + start * rec, (prev + 1 - start) * rec
+                bufs, start = [], p
+            elif p > prev + 1:  # records between two needed ones: into the junk buffer
+                bufs.append(jv[:(p - prev - 1) * rec])
+            o = 0
+            for off, nb, m in st.parts:
+                if off > o:
+                    bufs.append(jv[:off - o])
+                rb = row_bytes[m]
+                bufs.append(slabs[m][s * rb:(s + 1) * rb])
+                o = off + nb
+            if rec > o:
+                bufs.append(jv[:rec - o])
+            prev = p
+        yield st.file, bufs, st.base + start * rec, (prev + 1 - start) * rec
+
+    def wait(self, futs: list) -> None:
+        t = time.perf_counter()
+        err = None
+        for f in futs:
+            try:
+                f.result()
+            except PowerInferError as e:
+                err = err or e
+        self.stats.t_wait += time.perf_counter() - t
+        if err is not None:
+            raise err
+
+    def drop_cache(self, streams: list[Stream], n_ff: int) -> None:
+        for st in streams:
+            st.file.drop_cache(st.base, n_ff * st.stride)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        for f in self.files:
+            f.close()
+
+
+# ---------------------------------------------------------------------------- the FFN
+class _RowsInfo:
+    """What ``decode_bytes_per_token`` and ``--bench`` read of a full FFN matrix: its size and type."""
+
+    def __init__(self, n_rows: int, n_cols: int, type_name: str):
+        self.shape = torch.Size((n_rows, n_cols))
+        self.btype = MAPPED_TYPES[type_name]
+        self.dtype = type_name.lower()
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def element_size(self) -> float:
+        return self.btype.nbytes / self.btype.block
+
+
+class BudgetFFN:
+    """A sparse FFN whose rows are partly resident (hot neurons + reuse window) and partly read
+    from disk per token. Same call contract as :class:`~powerinfer.runtime.ffn.FFN`:
+    ``(h [T, D], xn [T, D], mask [T, F] | None) -> [T, D]`` in ``xn``'s dtype.
+
+    ``hot``: bool ``[F]``, the pinned neurons; ``window``: reuse-window slots; ``streams``: where
+    its rows are in the files; ``reader``: the model's :class:`RowReader`.
+    """
+
+    def __init__(self, layer: int, family, act, fc1, fc2, threshold: float, parts, n_embd: int,
+                 hot: np.ndarray, window: int, streams: list[Stream], reader: RowReader,
+                 gate_b=None, up_b=None, down_b=None):
+        self.layer, self.family, self.act, self.threshold = layer, family, act, threshold
+        self.fc1, self.fc2 = fc1, fc2
+        self.gate_b, self.up_b, self.down_b = gate_b, up_b, down_b
+        self.streams, self.reader = streams, reader
+        n_ff = len(hot)
+        self.n_ff, self.n_embd = n_ff, n_embd
+        hot_ids = np.flatnonzero(hot).astype(np.int64)
+        self.n_hot = len(hot_ids)
+        cap = self.n_hot + window
+        self.cap = cap
+        from .weights import empty
+
+        self.row_bytes = [rb for _, _, rb in parts]
+        self.mats = [QWeight(empty((cap, rb), torch.uint8), MAPPED_TYPES[k], cap, n_embd) for _, k, rb in parts]
+        self._flat = [memoryview(w.raw.numpy()).cast("B") for w in self.mats]
+        self.slot_of = np.full(n_ff, -1, dtype=np.int64)
+        self.is_hot = np.asarray(hot, dtype=bool)
+        self.neuron_of = np.full(cap, -1, dtype=np.int64)
+        self.last = np.full(cap, -1, dtype=np.int64)
+        self.stamp = 0
+        gated = family.gated
+        self.gate_info = _RowsInfo(n_ff, n_embd, parts[0][1]) if gated else None
+        self.up_info = _RowsInfo(n_ff, n_embd, parts[1 if gated else 0][1])
+        self.down_info = _RowsInfo(n_ff, n_embd, parts[-1][1])
+        if self.n_hot:
+            slots = np.arange(self.n_hot, dtype=np.int64)
+            t, waited = time.perf_counter(), reader.stats.t_wait
+            reader.wait(reader.submit(streams, hot_ids, slots, self._flat, self.row_bytes, count=False))
+            reader.drop_cache(streams, n_ff)
+            reader.stats.t_wait = waited
+            reader.stats.t_load += time.perf_counter() - t
+            self.slot_of[hot_ids] = slots
+            self.neuron_of[:self.n_hot] = hot_ids
+            for w in self.mats if reader.verify else ():  # NaN/inf block scales: a corrupt file (the
+                bad = QWeight(w.raw[:self.n_hot], w.btype, self.n_hot, n_embd).first_nonfinite_row()  # row cache: checked when written
+                if bad is not None:
+                    raise PowerInferError(f"{streams[0].file.path}: layer {layer} neuron {hot_ids[bad]} has a NaN or "
+                                          "infinite block scale: the file is corrupt")
+        self.rows_max_share = 0.0
+        self.n_active = self.n_calls = self.n_fired = 0
+        self.count_fired = False
+        self.t_ffn = self.t_predict = 0.0
+
+    # the surface decode_bytes_per_token and --bench read
+    gate = property(lambda self: self.gate_info)
+    up = property(lambda self: self.up_info)
+    down_t = property(lambda self: self.down_info)
+    sparse = property(lambda self: True)
+
+    def resident_bytes(self) -> tuple[int, int]:
+        """(pinned hot rows, reuse window) bytes held."""
+        nb = sum(self.row_bytes)
+        return self.n_hot * nb, (self.cap - self.n_hot) * nb
+
+    def reset_stats(self) -> None:
+        self.n_active = self.n_calls = self.n_fired = 0
+        self.t_ffn = self.t_predict = 0.0
+
+    def predict(self, h: torch.Tensor) -> torch.Tensor:
+        return kernels.predict(h, self.fc1, self.fc2, self.threshold)
+
+    def preact(self, xn: torch.Tensor):
+        raise PowerInferError("--ram-budget: the oracle (every neuron's pre-activation) needs every FFN row resident")
+
+    def __call__(self, h: torch.Tensor, xn: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        t0 = time.perf_counter()
+        try:
+            if mask is None:
+                mask = self.predict(h)
+                self.t_predict += time.perf_counter() - t0
+            T = xn.shape[0]
+            self.n_calls += T
+            if self.layer == 0:
+                self.reader.stats.tokens += T
+            outs = [self._token(xn[t], mask[t].nonzero().view(-1)) for t in range(T)]
+            return torch.stack(outs).to(xn.dtype)
+        finally:
+            self.t_ffn += time.perf_counter() - t0
+
+    def _token(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """One token's output ``[D]`` fp32 over neurons ``idx`` (ascending)."""
+        self.n_active += idx.numel()
+        self.reader.stats.active += idx.numel()
+        ids = idx.numpy()
+        nh = ~self.is_hot[ids]
+        W = self.cap - self.n_hot
+        if int(nh.sum()) <= W:
+            return self._pass(x, idx)
+        # more non-pinned neurons than the window holds: passes of at most W of them, sums added
+        self.reader.stats.split += 1
+        group = (np.cumsum(nh) - nh) // W
+        cuts = np.flatnonzero(np.diff(group)) + 1
+        out = None
+        for sel in np.split(np.arange(len(ids)), cuts):
+            y = self._pass(x, idx[torch.from_numpy(sel)])
+            out = y if out is None else out + y
+        return out
+
+    def _pass(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Neurons ``idx`` (at most the window's size of them not pinned): the missing ones read
+        into the least recently used window slots, then computed."""
+        st = self.reader.stats
+        self.stamp += 1
+        ids = idx.numpy()
+        slots = self.slot_of[ids]
+        res = slots >= 0
+        n_res = int(res.sum())
+        n_hot = int((slots[res] < self.n_hot).sum())
+        st.hot_hits += n_hot
+        st.window_hits += n_res - n_hot
+        self.last[slots[res]] = self.stamp
+        miss = np.flatnonzero(~res)
+        if len(miss) == 0:
+            return self._compute(x, idx, torch.from_numpy(slots))
+        free = self.n_hot + np.flatnonzero(self.last[self.n_hot:] < self.stamp)
+        need = ids[miss]
+        take = free[np.argsort(self.last[free], kind="stable")[:len(need)]]
+        old = self.neuron_of[take]
+        self.slot_of[old[old >= 0]] = -1
+        self.slot_of[need] = take
+        self.neuron_of[take] = need
+        self.last[take] = self.stamp
+        slots[miss] = take
+        try:
+            futs = self.reader.submit(self.streams, need, take, self._flat, self.row_bytes)
+        except BaseException:
+            self._forget(take)
+            raise
+        res_slots = torch.from_numpy(slots[res])
+        try:
+            if self.family.gated:  # the resident neurons' gate/up products while the reads are in flight
+                g_r, u_r = kernels.rows_dot(x, res_slots, self.mats[0], self.mats[1], self._gmin())
+            else:
+                g_r, u_r = None, kernels.rows_dot(x, res_slots, self.mats[0])[0]
+        finally:
+            try:
+                self.reader.wait(futs)
+                self.reader.drop_cache(self.streams, self.n_ff)
+            except BaseException:
+                self._forget(take)
+                raise
+        if self.reader.verify:
+            self._check_rows(take)
+        m_idx = torch.from_numpy(take)
+        if self.family.gated:
+            g_m, u_m = kernels.rows_dot(x, m_idx, self.mats[0], self.mats[1], self._gmin())
+        else:
+            g_m, u_m = None, kernels.rows_dot(x, m_idx, self.mats[0])[0]
+        k = len(ids)
+        res_t, miss_t = torch.from_numpy(np.flatnonzero(res)), torch.from_numpy(miss)
+        up = torch.empty(k, dtype=torch.float32)
+        up[res_t], up[miss_t] = u_r, u_m
+        gate = None
+        if self.family.gated:
+            gate = torch.empty(k, dtype=torch.float32)
+            gate[res_t], gate[miss_t] = g_r, g_m
+        return self._finish(x, idx, torch.from_numpy(slots), gate, up)
+
+    def _forget(self, slots: np.ndarray) -> None:
+        """Slots whose reads failed hold no neuron."""
+        old = self.neuron_of[slots]
+        self.slot_of[old[old >= 0]] = -1
+        self.neuron_of[slots] = -1
+        self.last[slots] = -1
+
+    def _check_rows(self, slots: np.ndarray) -> None:
+        for w in self.mats:
+            sub = QWeight(w.raw[torch.from_numpy(slots)], w.btype, len(slots), w.n_cols)
+            if sub.first_nonfinite_row() is not None:
+                self._forget(slots)
+                raise PowerInferError(f"{self.streams[0].file.path}: layer {self.layer}: a row read has a NaN or "
+                                      "infinite block scale: the file is corrupt or changed while running")
+
+    def _gmin(self):
+        if self.gate_b is not None:
+            return None
+        if self.act.kind == "relu":
+            return 0.0
+        if self.act.kind == "fatrelu":
+            return math.nextafter(float(self.act.threshold), -math.inf)
+        return None
+
+    def _compute(self, x: torch.Tensor, idx: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        if self.family.gated:
+            gate, up = kernels.rows_dot(x, slots, self.mats[0], self.mats[1], self._gmin())
+        else:
+            gate, up = None, kernels.rows_dot(x, slots, self.mats[0])[0]
+        return self._finish(x, idx, slots, gate, up)
+
+    def _finish(self, x, idx, slots, gate, up):
+        if self.gate_b is not None:
+            gate = gate + self.gate_b[idx]
+        if self.up_b is not None:
+            up = up + self.up_b[idx]
+        hidden = self.family.combine(self.act, gate, up)
+        if self.count_fired:
+            self.n_fired += int(torch.count_nonzero(hidden))
+        out = kernels.rows_axpy(slots, self.mats[-1], hidden).float()
+        return out if self.down_b is None else out + self.down_b
+
+
+# ---------------------------------------------------------------------------- loading
+def _builder(plan: ResidencyPlan, streams: list[list[Stream]], reader: RowReader):
+    """A ``build_ffn`` stand-in (same arguments) that builds :class:`BudgetFFN` layers."""
+    from .model import load_tensor
+    from .weights import load_matrix
+
+    def build(g: GGUFFile, i: int, a, dtype: torch.dtype, dense: bool, mapped: bool = False) -> BudgetFFN:
+        p = f"blk.{i}."
+        fc1 = load_matrix(g, p + "fc1.weight", dtype, mapped, dense_use=True)
+        fc2 = load_matrix(g, p + "fc2.weight", dtype, mapped, dense_use=True)
+        if fc1.shape[1] != a.n_embd or fc2.shape != (a.n_ff, fc1.shape[0]):
+            raise PowerInferError(f"{g.path}: blk.{i} predictor shapes {tuple(fc1.shape)}, "
+                                  f"{tuple(fc2.shape)} do not match the model")
+        gate_b = up_b = down_b = None
+        if a.family.ffn_bias:
+            gate_b = load_tensor(g, p + "ffn_gate.bias", dtype) if a.family.gated else None
+            up_b = load_tensor(g, p + "ffn_up.bias", dtype)
+            down_b = load_tensor(g, p + "ffn_down_t.bias", dtype)
+            if up_b.shape != (a.n_ff,) or down_b.shape != (a.n_embd,):
+                raise PowerInferError(f"{g.path}: blk.{i} FFN bias shapes do not match n_ff/n_embd")
+        return BudgetFFN(i, a.family, a.activation, fc1, fc2, a.sparse_threshold, plan.parts, a.n_embd,
+                         plan.hot[i], plan.window_slots, streams[i], reader, gate_b, up_b, down_b)
+
+    return build
+
+
+def activation_counts(model_path: str, activation_dir: str | None, n_layer: int, n_ff: int):
+    """``(counts per layer or None, where from)``: ``activation_dir``, else ``activation/`` beside the model."""
+    from ..formats.activation import load_activation_dir
+
+    folder = Path(activation_dir) if activation_dir is not None else Path(model_path).parent / "activation"
+    if not folder.is_dir():
+        if activation_dir is not None:
+            raise PowerInferError(f"--activation {activation_dir}: not a folder")
+        return None, "none (no activation folder: the reuse window keeps recently used neurons)"
+    counts = load_activation_dir(folder, n_layer=n_layer, n_ff=n_ff)
+    return [c.numpy() for c in counts], str(folder)
+
+
+def load_budgeted(g: GGUFFile, dtype: torch.dtype, n_ctx: int | None, budget_gib: float,
+                  activation_dir: str | None = None, note=None, interpreter: int | None = None):
+    """``(model, plan, reader)``: the model of the opened PWRI file ``g`` built within
+    ``budget_gib`` GiB (:func:`~.residency.plan_residency`; its minimum is checked before any
+    weight is read; ``interpreter``: bytes the process holds, default its resident set now). Raises PowerInferError for a budget below the minimum, a dense file, FFN
+    rows of a type the row kernels do not read, or an unreadable activation folder."""
+    from .args import ModelArgs
+    from .model import DEFAULT_CTX, Transformer
+    from .residency import plan_residency
+    from .weights import _release
+
+    if kernels.backend() != "c":
+        raise PowerInferError("--ram-budget needs the C kernels (--kernels c): the torch backend copies every weight")
+    a = ModelArgs.from_gguf(g)
+    ctx = min(n_ctx or min(a.n_ctx, DEFAULT_CTX), a.n_ctx)
+    counts, source = activation_counts(str(g.path), activation_dir, a.n_layer, a.n_ff) if a.sparse else (None, "")
+    plan = plan_residency(g, ctx, dtype, budget_gib, counts, source, interpreter)
+    streams, files, where = open_streams(g, plan, note)
+    reader = RowReader(files, watch=[_File(Path(g.path))])
+    reader.verify = files[0].path == Path(g.path)
+    try:
+        model = Transformer(g, dtype, n_ctx=n_ctx, ffn_builder=_builder(plan, streams, reader))
+    except BaseException:
+        reader.close()
+        raise
+    embd = g.tensors.get("token_embd.weight")
+    tied = model.output is model.tok_embd
+
+    def before_forward() -> None:
+        reader.check()
+        if embd is not None and not tied:  # rows looked up on demand: their pages do not pile up
+            _release(g, embd)
+
+    before_forward()
+    for f in reader.watch:  # what loading read through the page cache
+        f.drop_cache(0, f.stamp.size)
+    model.before_forward = before_forward
+    model.residency = (plan, reader, where)
+    return model, plan, reader
+
+
+def budget_lines(model) -> list[str]:
+    """``--bench`` lines under ``--ram-budget``: resident MB by kind, reads and MB read per token,
+    the resident set's hit rate. Empty without a budget."""
+    from .residency import peak_rss_bytes, rss_bytes
+    from .weights import weight_nbytes
+
+    r = getattr(model, "residency", None)
+    if r is None:
+        return []
+    plan, reader, where = r
+    st = reader.stats
+    mb = 1e6
+    hot = sum(l.ffn.resident_bytes()[0] for l in model.layers)
+    win = sum(l.ffn.resident_bytes()[1] for l in model.layers)
+    attn = sum(weight_nbytes(getattr(l, k)) for l in model.layers for k in ("wqkv", "bqkv", "wo", "bo"))
+    pred = sum(weight_nbytes(l.ffn.fc1) + weight_nbytes(l.ffn.fc2) for l in model.layers)
+    out = 0.0 if model.output is model.tok_embd else weight_nbytes(model.output)
+    kv = weight_nbytes(model.cache.k) + weight_nbytes(model.cache.v)
+    n = max(1, st.tokens)
+    act = max(1, st.active)
+    return [f"  RAM budget {plan.budget / 2**30:.2f} GiB: resident MB: attention {attn / mb:.0f}, predictors "
+            f"{pred / mb:.0f}, output {out / mb:.0f}, hot FFN neurons {hot / mb:.0f} "
+            f"({plan.n_hot / (plan.n_layer * plan.n_ff):.1%} of neurons), reuse window {win / mb:.0f}, KV cache "
+            f"{kv / mb:.0f} (reserved); process now {rss_bytes() / mb:.0f} MB, peak {peak_rss_bytes() / mb:.0f} MB",
+            f"  cold rows: {where}; per token {st.reads / n:.0f} reads, {st.bytes / n / mb:.1f} MB read, "
+            f"{st.neurons / n:.0f} neurons; hit rate {(st.hot_hits + st.window_hits) / act:.1%} "
+            f"(hot {st.hot_hits / act:.1%}, window {st.window_hits / act:.1%}); waiting for reads "
+            f"{st.t_wait / n * 1e3:.0f} ms per token"]
