@@ -66,10 +66,14 @@ def _greedy(model, tok, n=10):
     return toks, torch.stack(logits)
 
 
-@pytest.mark.parametrize("source", ["cache", "gguf"])
-def test_budget_run_equals_unlimited_run(model_dir, cache_dir, monkeypatch, source):
+@pytest.mark.parametrize("source,reader", [("cache", "c"), ("gguf", "c"), ("cache", "python")])
+def test_budget_run_equals_unlimited_run(model_dir, cache_dir, monkeypatch, source, reader):
     if source == "gguf":
         monkeypatch.setenv(cold_rows.ROW_CACHE_ENV, "off")
+    if reader == "python":
+        monkeypatch.setenv(cold_rows.READER_ENV, "python")
+    elif cold_rows._lib() is None:
+        pytest.skip("no C compiler for the row reader")
     ref_model, tok = load_model(str(model_dir), "f32", n_ctx=64)
     for layer in ref_model.layers:  # the prompt by per-token rows, as the budget FFN runs it
         layer.ffn.rows_max_share = 1.0
@@ -77,7 +81,7 @@ def test_budget_run_equals_unlimited_run(model_dir, cache_dir, monkeypatch, sour
     g = open_gguf(model_dir)
     lo = plan_residency(g, 64, torch.float32, 1e6, interpreter=1 << 28).minimum
     # 194.4 KB above the minimum, 87% of it reuse window: 3 chunks of 64 hot neurons, a window of 600
-    # of the 960 others per layer (more than one token needs: one pass, rows evicted over the tokens)
+    # neurons per layer (1800 shared: more than one token needs, so one pass; rows evicted over the tokens)
     monkeypatch.setattr(residency, "WINDOW_SHARE", 0.87)
     model, _, _ = cold_rows.load_budgeted(g, torch.float32, 64, (lo + 194_400) / GIB, interpreter=1 << 28)
     plan, reader, where = model.residency
@@ -163,6 +167,15 @@ def test_short_read_names_file_and_offset(tmp_path):
     buf = bytearray(200)
     with pytest.raises(PowerInferError, match=rf"{p}: short read at offset 900: 100 of 200 bytes"):
         cold_rows._preadv(f, [buf], 900, 200)
+    lib = cold_rows._lib()
+    if lib is not None:  # the C reader: records 9 and 10 of 100 bytes (one read, 200 bytes) into slots 0, 1
+        reader = cold_rows.RowReader([f])
+        st = cold_rows.Stream(f, 0, 100, [(0, 100, 0)], np.arange(20, dtype=np.int64))
+        slab = bytearray(300)
+        with pytest.raises(PowerInferError, match=rf"{p}: short read at offset 900: 100 of 200 bytes"):
+            reader._c_read(lib, st, np.array([9, 10]), np.array([0, 1]), [memoryview(slab)], [100], True)
+        assert reader._c_read(lib, st, np.array([2, 4]), np.array([0, 2]), [memoryview(slab)], [100], True) == 300
+        assert reader.stats.reads == 1 and reader.stats.bytes == 300  # records 2..4, record 3 into junk
     f.close()
 
 
@@ -178,14 +191,18 @@ def _layer_ffn(path, window, hot=None):
     finally:
         del os.environ[cold_rows.ROW_CACHE_ENV]
     reader = cold_rows.RowReader(files)
+    pool = cold_rows.RowPool(plan.parts, N_EMBD, [0, int(plan.hot[1].sum()), 0], window)
     model, _ = load_model(str(path), "f32", n_ctx=64)
     ref = model.layers[1].ffn
     ffn = cold_rows.BudgetFFN(1, ref.family, ref.act, ref.fc1, ref.fc2, ref.threshold, plan.parts, N_EMBD,
-                              plan.hot[1], window, streams[1], reader)
+                              plan.hot[1], pool, streams[1], reader)
     return ffn, ref, reader, plan
 
 
-def test_read_counts_match_hand_computed_runs(model_dir):
+@pytest.mark.parametrize("reader_kind", ["c", "python"])
+def test_read_counts_match_hand_computed_runs(model_dir, monkeypatch, reader_kind):
+    if reader_kind == "python":
+        monkeypatch.setenv(cold_rows.READER_ENV, "python")
     ffn, ref, reader, plan = _layer_ffn(model_dir, window=32)
     rb = plan.parts[0][2]
     assert cold_rows.MAX_GAP == 2
@@ -243,3 +260,19 @@ def test_budget_refuses_dense_and_vram_together(model_dir, cache_dir):
         load_model(str(model_dir), "f32", dense=True, ram_budget=1.0)
     with pytest.raises(PowerInferError, match="--vram-budget"):
         open_for_inference(str(model_dir), ram_budget=1.0, vram_budget=1.0)
+
+
+@pytest.mark.parametrize("flag", ["ram", "vram"])
+def test_model_file_is_validated_once(model_dir, cache_dir, monkeypatch, flag):
+    from pathlib import Path
+
+    from powerinfer.formats import gguf_file
+    from powerinfer.runtime.loading import open_for_inference
+
+    kw = {"ram_budget": _minimum(model_dir) + 0.05} if flag == "ram" else {"vram_budget": 1.0}
+    seen = []
+    real = gguf_file.validate_gguf
+    monkeypatch.setattr(gguf_file, "validate_gguf", lambda p, *a, **k: seen.append(Path(p)) or real(p, *a, **k))
+    monkeypatch.setenv("POWERINFER_OFFLOAD_DEVICE", "cpu")
+    open_for_inference(str(model_dir), dtype="f32", ctx_size=64, note=lambda s: None, **kw)
+    assert seen.count(Path(model_dir)) == 1

@@ -33,11 +33,14 @@ for reads); every forward pass checks first (:meth:`RowReader.check`).
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import logging
 import math
 import os
+import subprocess
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -118,6 +121,47 @@ def _preadv(f: _File, bufs: list, off: int, n: int) -> int:
         raise PowerInferError(f"{f.path}: short read at offset {off}: {got} of {n} bytes (the file is "
                               f"{os.fstat(f.fd).st_size} bytes now, {f.stamp.size} when opened): it changed while running")
     return got
+
+
+# ---------------------------------------------------------------------------- the C reader
+_C = {"lib": None, "tried": False}
+CSOURCE = Path(__file__).with_name("cold_rows.c")
+READER_ENV = "POWERINFER_ROW_READER"  # python: os.preadv from a thread pool instead of cold_rows.c
+
+
+def _lib():
+    """``cold_rows.c`` compiled once (cached by source and compiler under the kernels' cache), or
+    None when it cannot be built (the Python reader is used then, with a note)."""
+    if os.environ.get(READER_ENV) == "python":
+        return None
+    if not _C["tried"]:
+        _C["tried"] = True
+        cc = os.environ.get("CC", "cc")
+        flags = ["-O2", "-shared", "-fPIC", "-pthread"]
+        key = hashlib.sha256(CSOURCE.read_bytes() + cc.encode() + " ".join(flags).encode()).hexdigest()[:16]
+        out = kernels._cache_dir() / f"cold_rows-{key}.so"
+        try:
+            if not out.is_file():
+                out.parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+                os.close(fd)
+                try:
+                    r = subprocess.run([cc, *flags, str(CSOURCE), "-o", tmp], capture_output=True, text=True, timeout=120)
+                    if r.returncode != 0:
+                        raise OSError(r.stderr.strip()[-300:])
+                    os.replace(tmp, out)
+                finally:
+                    if os.path.exists(tmp):
+                        os.unlink(tmp)
+            lib = ctypes.CDLL(str(out))
+            P, I = ctypes.c_void_p, ctypes.c_int64
+            lib.pi_read_records.argtypes = [ctypes.c_int, I, I, ctypes.c_int, P, P, P, P, P, P, P, I, I, ctypes.c_int,
+                                            P, I, P]
+            lib.pi_read_records.restype = I
+            _C["lib"] = lib
+        except (OSError, subprocess.SubprocessError) as e:
+            log.warning("the C row reader could not be built (%s): reading with os.preadv threads", e)
+    return _C["lib"]
 
 
 # ---------------------------------------------------------------------------- sources
@@ -305,9 +349,11 @@ class RowReader:
     def __init__(self, files: list[_File], watch: list[_File] | None = None, threads: int = IO_THREADS):
         self.files = files
         self.watch = list(files) + list(watch or [])
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="powerinfer-rows")
+        self.threads = threads
+        self.executor = ThreadPoolExecutor(threads, thread_name_prefix="powerinfer-rows")
         self.stats = ReadStats()
         self.verify = False  # check the block scales of every row read (rows straight from the GGUF)
+        self.pool: RowPool | None = None
         self._junk = np.empty(1 << 20, dtype=np.uint8)
         self._jv = memoryview(self._junk)
 
@@ -322,20 +368,47 @@ class RowReader:
         one per matrix); returns the futures (each returns bytes read). ``count``: add the reads
         to :attr:`stats` (not for the hot rows read at load)."""
         futs = []
+        lib = _lib()
         for st in streams:
             pos = st.pos[neurons]
             order = np.argsort(pos, kind="stable")
             pos, sl = pos[order], slots[order]
+            if lib is not None:
+                futs.append(self.executor.submit(self._c_read, lib, st, np.ascontiguousarray(pos),
+                                                 np.ascontiguousarray(sl), slabs, row_bytes, count))
+                continue
             cuts = np.flatnonzero(np.diff(pos) > MAX_GAP + 1) + 1
             for run_pos, run_sl in zip(np.split(pos, cuts), np.split(sl, cuts)):
                 for job in self._iov_jobs(st, run_pos.tolist(), run_sl.tolist(), slabs, row_bytes):
-                    futs.append(self.pool.submit(_preadv, *job))
+                    futs.append(self.executor.submit(_preadv, *job))
                     if count:
                         self.stats.reads += 1
                         self.stats.bytes += job[3]
         if count:
             self.stats.neurons += len(neurons)
         return futs
+
+    def _c_read(self, lib, st: Stream, pos: np.ndarray, slots: np.ndarray, slabs, row_bytes, count: bool) -> int:
+        """One stream's records read by ``cold_rows.c`` (in an executor thread: ctypes lets go of the GIL)."""
+        P = ctypes.c_int64 * len(st.parts)
+        offs, lens, mats = (P(*[p[k] for p in st.parts]) for k in range(3))
+        bases = (ctypes.c_void_p * len(slabs))(*[ctypes.addressof(ctypes.c_char.from_buffer(v)) for v in slabs])
+        rbs = (ctypes.c_int64 * len(row_bytes))(*row_bytes)
+        out = (ctypes.c_int64 * 5)()
+        n = lib.pi_read_records(st.file.fd, st.base, st.stride, len(st.parts), offs, lens, mats, bases, rbs,
+                                pos.ctypes.data, slots.ctypes.data, len(pos), MAX_GAP, self.threads,
+                                self._junk.ctypes.data, self._junk.nbytes, out)
+        if n < 0:
+            off, err, got, want = out[1], out[2], out[3], out[4]
+            if err:
+                raise PowerInferError(f"{st.file.path}: read error at offset {off} ({want} bytes): {os.strerror(err)}")
+            raise PowerInferError(f"{st.file.path}: short read at offset {off}: {got} of {want} bytes (the file is "
+                                  f"{os.fstat(st.file.fd).st_size} bytes now, {st.file.stamp.size} when opened): it "
+                                  "changed while running")
+        if count:
+            self.stats.reads += n
+            self.stats.bytes += out[0]
+        return out[0]
 
     def _iov_jobs(self, st: Stream, pos: list[int], slots: list[int], slabs, row_bytes):
         """``(file, buffers, offset, nbytes)`` for one run of records, split at MAX_IOV buffers."""
@@ -377,7 +450,7 @@ class RowReader:
             st.file.drop_cache(st.base, n_ff * st.stride)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        self.executor.shutdown(wait=True)
         for f in self.files:
             f.close()
 
@@ -398,54 +471,102 @@ class _RowsInfo:
         return self.btype.nbytes / self.btype.block
 
 
+class RowPool:
+    """The model's resident FFN rows: one slab per FFN matrix (``[hot + window, n_embd]`` in the
+    file's type, a :class:`QWeight`), each layer's pinned hot rows in a fixed range, then the reuse
+    window, shared by all layers (least recently used slot replaced first), so one layer may use
+    more of it on a token that needs many cold neurons."""
+
+    def __init__(self, parts, n_embd: int, n_hot: list[int], window: int):
+        from .weights import empty
+
+        self.hot_start = np.concatenate([[0], np.cumsum(n_hot)]).astype(np.int64)
+        self.H = int(self.hot_start[-1])
+        cap = self.H + int(window)
+        self.cap, self.window = cap, int(window)
+        self.row_bytes = [rb for _, _, rb in parts]
+        self.mats = [QWeight(empty((cap, rb), torch.uint8), MAPPED_TYPES[k], cap, n_embd) for _, k, rb in parts]
+        self.flat = [memoryview(w.raw.numpy()).cast("B") for w in self.mats]
+        self.last = np.full(cap, -1, dtype=np.int64)  # the last step (layer pass) that used the slot
+        self.last_token = np.full(cap, -1, dtype=np.int64)  # the last token that used it (eviction order)
+        self.token = 0
+        self.owner = np.full(cap, -1, dtype=np.int64)  # layer whose neuron the slot holds
+        self.neuron_of = np.full(cap, -1, dtype=np.int64)
+        self.slot_maps: dict[int, np.ndarray] = {}  # layer -> slot of each neuron (-1: not resident)
+        self.stamp = 0
+
+    def take(self, layer: int, neurons: np.ndarray) -> np.ndarray | None:
+        """Window slots for ``neurons`` of ``layer`` (those used by the oldest tokens, none used in
+        this step), their old holders forgotten; None when fewer are free. Ordered by token, not by
+        step: each token visits the layers in turn, so the least recently used step would be the
+        next layers' rows of the previous token, the ones needed next."""
+        free = self.H + np.flatnonzero(self.last[self.H:] < self.stamp)
+        n = len(neurons)
+        if len(free) < n:
+            return None
+        if len(free) > n:
+            free = free[np.argpartition(self.last_token[free], n - 1)[:n]]
+        old_layer, old = self.owner[free], self.neuron_of[free]
+        for lay in np.unique(old_layer[old_layer >= 0]):
+            self.slot_maps[int(lay)][old[old_layer == lay]] = -1
+        self.slot_maps[layer][neurons] = free
+        self.owner[free], self.neuron_of[free], self.last[free] = layer, neurons, self.stamp
+        self.last_token[free] = self.token
+        return free
+
+    def forget(self, slots: np.ndarray) -> None:
+        """Slots whose reads failed hold no neuron."""
+        for s in slots.tolist():
+            lay = int(self.owner[s])
+            if lay >= 0:
+                self.slot_maps[lay][self.neuron_of[s]] = -1
+        self.owner[slots], self.neuron_of[slots], self.last[slots], self.last_token[slots] = -1, -1, -1, -1
+
+
 class BudgetFFN:
-    """A sparse FFN whose rows are partly resident (hot neurons + reuse window) and partly read
-    from disk per token. Same call contract as :class:`~powerinfer.runtime.ffn.FFN`:
+    """A sparse FFN whose rows are partly resident (hot neurons + the shared reuse window) and
+    partly read from disk per token. Same call contract as :class:`~powerinfer.runtime.ffn.FFN`:
     ``(h [T, D], xn [T, D], mask [T, F] | None) -> [T, D]`` in ``xn``'s dtype.
 
-    ``hot``: bool ``[F]``, the pinned neurons; ``window``: reuse-window slots; ``streams``: where
-    its rows are in the files; ``reader``: the model's :class:`RowReader`.
+    ``hot``: bool ``[F]``, the pinned neurons (``pool.hot_start[layer]`` onwards in ``pool``);
+    ``streams``: where its rows are in the files; ``reader``: the model's :class:`RowReader`.
     """
 
     def __init__(self, layer: int, family, act, fc1, fc2, threshold: float, parts, n_embd: int,
-                 hot: np.ndarray, window: int, streams: list[Stream], reader: RowReader,
+                 hot: np.ndarray, pool: RowPool, streams: list[Stream], reader: RowReader,
                  gate_b=None, up_b=None, down_b=None):
         self.layer, self.family, self.act, self.threshold = layer, family, act, threshold
         self.fc1, self.fc2 = fc1, fc2
         self.gate_b, self.up_b, self.down_b = gate_b, up_b, down_b
-        self.streams, self.reader = streams, reader
+        self.streams, self.reader, self.pool = streams, reader, pool
         n_ff = len(hot)
         self.n_ff, self.n_embd = n_ff, n_embd
         hot_ids = np.flatnonzero(hot).astype(np.int64)
         self.n_hot = len(hot_ids)
-        cap = self.n_hot + window
-        self.cap = cap
-        from .weights import empty
-
-        self.row_bytes = [rb for _, _, rb in parts]
-        self.mats = [QWeight(empty((cap, rb), torch.uint8), MAPPED_TYPES[k], cap, n_embd) for _, k, rb in parts]
-        self._flat = [memoryview(w.raw.numpy()).cast("B") for w in self.mats]
+        if self.n_hot != pool.hot_start[layer + 1] - pool.hot_start[layer]:
+            raise ValueError(f"layer {layer}: {self.n_hot} hot neurons, the pool holds "
+                             f"{pool.hot_start[layer + 1] - pool.hot_start[layer]}")
+        self.row_bytes = pool.row_bytes
         self.slot_of = np.full(n_ff, -1, dtype=np.int64)
+        pool.slot_maps[layer] = self.slot_of
         self.is_hot = np.asarray(hot, dtype=bool)
-        self.neuron_of = np.full(cap, -1, dtype=np.int64)
-        self.last = np.full(cap, -1, dtype=np.int64)
-        self.stamp = 0
         gated = family.gated
         self.gate_info = _RowsInfo(n_ff, n_embd, parts[0][1]) if gated else None
         self.up_info = _RowsInfo(n_ff, n_embd, parts[1 if gated else 0][1])
         self.down_info = _RowsInfo(n_ff, n_embd, parts[-1][1])
         if self.n_hot:
-            slots = np.arange(self.n_hot, dtype=np.int64)
+            h0 = int(pool.hot_start[layer])
+            slots = np.arange(h0, h0 + self.n_hot, dtype=np.int64)
             t, waited = time.perf_counter(), reader.stats.t_wait
-            reader.wait(reader.submit(streams, hot_ids, slots, self._flat, self.row_bytes, count=False))
+            reader.wait(reader.submit(streams, hot_ids, slots, pool.flat, self.row_bytes, count=False))
             reader.drop_cache(streams, n_ff)
             reader.stats.t_wait = waited
             reader.stats.t_load += time.perf_counter() - t
             self.slot_of[hot_ids] = slots
-            self.neuron_of[:self.n_hot] = hot_ids
-            for w in self.mats if reader.verify else ():  # NaN/inf block scales: a corrupt file (the
-                bad = QWeight(w.raw[:self.n_hot], w.btype, self.n_hot, n_embd).first_nonfinite_row()  # row cache: checked when written
-                if bad is not None:
+            pool.owner[slots], pool.neuron_of[slots] = layer, hot_ids
+            for w in pool.mats if reader.verify else ():  # NaN/inf block scales: a corrupt file (the
+                bad = QWeight(w.raw[h0:h0 + self.n_hot], w.btype, self.n_hot, n_embd).first_nonfinite_row()
+                if bad is not None:  # row cache's rows were checked when it was written)
                     raise PowerInferError(f"{streams[0].file.path}: layer {layer} neuron {hot_ids[bad]} has a NaN or "
                                           "infinite block scale: the file is corrupt")
         self.rows_max_share = 0.0
@@ -453,16 +574,19 @@ class BudgetFFN:
         self.count_fired = False
         self.t_ffn = self.t_predict = 0.0
 
+    @property
+    def mats(self) -> list[QWeight]:
+        return self.pool.mats
+
     # the surface decode_bytes_per_token and --bench read
     gate = property(lambda self: self.gate_info)
     up = property(lambda self: self.up_info)
     down_t = property(lambda self: self.down_info)
     sparse = property(lambda self: True)
 
-    def resident_bytes(self) -> tuple[int, int]:
-        """(pinned hot rows, reuse window) bytes held."""
-        nb = sum(self.row_bytes)
-        return self.n_hot * nb, (self.cap - self.n_hot) * nb
+    def resident_bytes(self) -> int:
+        """Bytes of this layer's pinned hot rows."""
+        return self.n_hot * sum(self.row_bytes)
 
     def reset_stats(self) -> None:
         self.n_active = self.n_calls = self.n_fired = 0
@@ -491,11 +615,13 @@ class BudgetFFN:
 
     def _token(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """One token's output ``[D]`` fp32 over neurons ``idx`` (ascending)."""
+        if self.layer == 0:
+            self.pool.token += 1
         self.n_active += idx.numel()
         self.reader.stats.active += idx.numel()
         ids = idx.numpy()
         nh = ~self.is_hot[ids]
-        W = self.cap - self.n_hot
+        W = self.pool.window
         if int(nh.sum()) <= W:
             return self._pass(x, idx)
         # more non-pinned neurons than the window holds: passes of at most W of them, sums added
@@ -511,32 +637,30 @@ class BudgetFFN:
     def _pass(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Neurons ``idx`` (at most the window's size of them not pinned): the missing ones read
         into the least recently used window slots, then computed."""
-        st = self.reader.stats
-        self.stamp += 1
+        st, pool = self.reader.stats, self.pool
+        pool.stamp += 1
         ids = idx.numpy()
         slots = self.slot_of[ids]
         res = slots >= 0
         n_res = int(res.sum())
-        n_hot = int((slots[res] < self.n_hot).sum())
+        n_hot = int(self.is_hot[ids].sum())
         st.hot_hits += n_hot
         st.window_hits += n_res - n_hot
-        self.last[slots[res]] = self.stamp
+        pool.last[slots[res]] = pool.stamp
+        pool.last_token[slots[res]] = pool.token
         miss = np.flatnonzero(~res)
         if len(miss) == 0:
             return self._compute(x, idx, torch.from_numpy(slots))
-        free = self.n_hot + np.flatnonzero(self.last[self.n_hot:] < self.stamp)
         need = ids[miss]
-        take = free[np.argsort(self.last[free], kind="stable")[:len(need)]]
-        old = self.neuron_of[take]
-        self.slot_of[old[old >= 0]] = -1
-        self.slot_of[need] = take
-        self.neuron_of[take] = need
-        self.last[take] = self.stamp
+        take = pool.take(self.layer, need)
+        if take is None:
+            raise PowerInferError(f"--ram-budget: layer {self.layer} needs {len(need)} cold rows, the reuse window "
+                                  "has fewer free slots")
         slots[miss] = take
         try:
-            futs = self.reader.submit(self.streams, need, take, self._flat, self.row_bytes)
+            futs = self.reader.submit(self.streams, need, take, pool.flat, self.row_bytes)
         except BaseException:
-            self._forget(take)
+            pool.forget(take)
             raise
         res_slots = torch.from_numpy(slots[res])
         try:
@@ -549,7 +673,7 @@ class BudgetFFN:
                 self.reader.wait(futs)
                 self.reader.drop_cache(self.streams, self.n_ff)
             except BaseException:
-                self._forget(take)
+                pool.forget(take)
                 raise
         if self.reader.verify:
             self._check_rows(take)
@@ -568,18 +692,11 @@ class BudgetFFN:
             gate[res_t], gate[miss_t] = g_r, g_m
         return self._finish(x, idx, torch.from_numpy(slots), gate, up)
 
-    def _forget(self, slots: np.ndarray) -> None:
-        """Slots whose reads failed hold no neuron."""
-        old = self.neuron_of[slots]
-        self.slot_of[old[old >= 0]] = -1
-        self.neuron_of[slots] = -1
-        self.last[slots] = -1
-
     def _check_rows(self, slots: np.ndarray) -> None:
         for w in self.mats:
             sub = QWeight(w.raw[torch.from_numpy(slots)], w.btype, len(slots), w.n_cols)
             if sub.first_nonfinite_row() is not None:
-                self._forget(slots)
+                self.pool.forget(slots)
                 raise PowerInferError(f"{self.streams[0].file.path}: layer {self.layer}: a row read has a NaN or "
                                       "infinite block scale: the file is corrupt or changed while running")
 
@@ -612,7 +729,7 @@ class BudgetFFN:
 
 
 # ---------------------------------------------------------------------------- loading
-def _builder(plan: ResidencyPlan, streams: list[list[Stream]], reader: RowReader):
+def _builder(plan: ResidencyPlan, streams: list[list[Stream]], reader: RowReader, pool: RowPool):
     """A ``build_ffn`` stand-in (same arguments) that builds :class:`BudgetFFN` layers."""
     from .model import load_tensor
     from .weights import load_matrix
@@ -632,7 +749,7 @@ def _builder(plan: ResidencyPlan, streams: list[list[Stream]], reader: RowReader
             if up_b.shape != (a.n_ff,) or down_b.shape != (a.n_embd,):
                 raise PowerInferError(f"{g.path}: blk.{i} FFN bias shapes do not match n_ff/n_embd")
         return BudgetFFN(i, a.family, a.activation, fc1, fc2, a.sparse_threshold, plan.parts, a.n_embd,
-                         plan.hot[i], plan.window_slots, streams[i], reader, gate_b, up_b, down_b)
+                         plan.hot[i], pool, streams[i], reader, gate_b, up_b, down_b)
 
     return build
 
@@ -670,8 +787,9 @@ def load_budgeted(g: GGUFFile, dtype: torch.dtype, n_ctx: int | None, budget_gib
     streams, files, where = open_streams(g, plan, note)
     reader = RowReader(files, watch=[_File(Path(g.path))])
     reader.verify = files[0].path == Path(g.path)
+    reader.pool = RowPool(plan.parts, a.n_embd, [int(h.sum()) for h in plan.hot], plan.window_slots * plan.n_layer)
     try:
-        model = Transformer(g, dtype, n_ctx=n_ctx, ffn_builder=_builder(plan, streams, reader))
+        model = Transformer(g, dtype, n_ctx=n_ctx, ffn_builder=_builder(plan, streams, reader, reader.pool))
     except BaseException:
         reader.close()
         raise
@@ -703,8 +821,8 @@ def budget_lines(model) -> list[str]:
     plan, reader, where = r
     st = reader.stats
     mb = 1e6
-    hot = sum(l.ffn.resident_bytes()[0] for l in model.layers)
-    win = sum(l.ffn.resident_bytes()[1] for l in model.layers)
+    hot = sum(l.ffn.resident_bytes() for l in model.layers)
+    win = reader.pool.window * sum(reader.pool.row_bytes)
     attn = sum(weight_nbytes(getattr(l, k)) for l in model.layers for k in ("wqkv", "bqkv", "wo", "bo"))
     pred = sum(weight_nbytes(l.ffn.fc1) + weight_nbytes(l.ffn.fc2) for l in model.layers)
     out = 0.0 if model.output is model.tok_embd else weight_nbytes(model.output)

@@ -9,7 +9,7 @@ import torch
 
 from ..cli_params import check_ctx_size, check_threads
 from ..errors import PowerInferError
-from ..formats.gguf_file import open_gguf
+from ..formats.gguf_file import GGUFFile, open_gguf
 from . import kernels
 from .generate import decode_bytes_per_token
 from .model import Transformer
@@ -21,12 +21,12 @@ SMALL_MODEL_BYTES = 64 << 20  # below this many weight bytes per token, one thre
 
 def load_model(path: str, dtype: str = "f32", dense: bool = False, n_ctx: int | None = None,
                ram_budget: float | None = None, activation_dir: str | None = None,
-               note: Callable[[str], None] | None = None):
+               note: Callable[[str], None] | None = None, g: GGUFFile | None = None):
     """Open ``path`` and build the runtime model and its tokenizer (``dtype``: auto, bf16, f32).
 
     ``ram_budget`` (GiB): hot FFN neurons resident, cold ones read from the file
-    (:mod:`.residency`, :mod:`.cold_rows`); the file is opened and validated once either way."""
-    g = open_gguf(path)
+    (:mod:`.residency`, :mod:`.cold_rows`). ``g``: ``path`` already opened (validated once)."""
+    g = g if g is not None else open_gguf(path)
     if ram_budget is not None:
         tok = GGUFTokenizer(g)  # before the plan measures what the process holds
         if dense:
@@ -75,14 +75,15 @@ def open_for_inference(model_path: str, *, dtype: str = "auto", dense: bool = Fa
     if ram_budget is not None and vram_budget is not None and not disable_gpu_index:
         raise PowerInferError("--ram-budget with --vram-budget: not supported yet (the GPU split copies the CPU "
                               "side's rows out of full matrices, which a RAM budget never holds); give one")
-    model, tok = load_model(model_path, dtype, dense, ctx_size or None, ram_budget, activation_dir, note)
+    g = open_gguf(model_path)  # opened and validated once: the model, the plan and the GPU index read it
+    model, tok = load_model(model_path, dtype, dense, ctx_size or None, ram_budget, activation_dir, note, g)
     if ctx_size > model.n_ctx:
         note(f"note: -c {ctx_size} is more than the model's context length; using {model.n_ctx}")
     torch.set_num_threads(threads or default_threads(model))
     if vram_budget is not None and not disable_gpu_index:
         from .hybrid import offload
 
-        summary = offload(model, model_path, vram_budget, activation_dir, reset_gpu_index)
+        summary = offload(model, model_path, vram_budget, activation_dir, reset_gpu_index, g=g)
         if summary is not None:
             note(summary)
     return model, tok
