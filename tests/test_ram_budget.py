@@ -276,3 +276,29 @@ def test_model_file_is_validated_once(model_dir, cache_dir, monkeypatch, flag):
     monkeypatch.setenv("POWERINFER_OFFLOAD_DEVICE", "cpu")
     open_for_inference(str(model_dir), dtype="f32", ctx_size=64, note=lambda s: None, **kw)
     assert seen.count(Path(model_dir)) == 1
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_c_reader_scatters_parts_of_merged_records(tmp_path, monkeypatch, direct):
+    """Records 1, 2, 5 of 4 KB (gap of 2: one read of records 1..5), two parts each into two slabs."""
+    lib = cold_rows._lib()
+    if lib is None:
+        pytest.skip("no C compiler for the row reader")
+    if not direct:
+        monkeypatch.setenv(cold_rows.DIRECT_ENV, "off")
+    data = np.random.default_rng(0).integers(0, 256, 8 * 4096, dtype=np.uint8)
+    p = tmp_path / "rec.bin"
+    p.write_bytes(data.tobytes())
+    f = cold_rows._File(p, direct=True)
+    st = cold_rows.Stream(f, 0, 4096, [(100, 50, 0), (3000, 60, 1)], np.arange(8, dtype=np.int64))
+    if direct and not st.direct:
+        pytest.skip("this file system refuses O_DIRECT")
+    assert st.direct == direct
+    reader = cold_rows.RowReader([f])
+    a, b = bytearray(4 * 50), bytearray(4 * 60)
+    reader._c_read(lib, st, np.array([1, 2, 5]), np.array([3, 0, 2]), [memoryview(a), memoryview(b)], [50, 60], True)
+    assert reader.stats.reads == 1 and reader.stats.bytes == 5 * 4096
+    for rec, slot in ((1, 3), (2, 0), (5, 2)):
+        assert a[slot * 50:(slot + 1) * 50] == data[rec * 4096 + 100:rec * 4096 + 150].tobytes()
+        assert b[slot * 60:(slot + 1) * 60] == data[rec * 4096 + 3000:rec * 4096 + 3060].tobytes()
+    f.close()

@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 IO_THREADS = 16  # reads in flight
 MAX_GAP = 2  # records (or rows) between two needed ones still read in one request
 MAX_IOV = 1000  # buffers per preadv (IOV_MAX is 1024 on Linux)
+MAX_JOB = 1 << 20  # bytes per O_DIRECT read (each reading thread has a staging buffer this size)
+DIRECT_ENV = "POWERINFER_ROW_DIRECT"  # off: buffered reads + POSIX_FADV_DONTNEED instead of O_DIRECT
 PAGE = 4096
 ROW_CACHE_ENV = "POWERINFER_ROW_CACHE"
 MAGIC = b"PIROWS01"
@@ -80,11 +82,18 @@ class _Stamp:
 
 
 class _File:
-    """One file opened for reads, with its identity when opened."""
+    """One file opened for reads, with its identity when opened; ``direct``: also opened with
+    ``O_DIRECT`` (``dfd``, -1 where the file system refuses it)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, direct: bool = False):
         self.path = Path(path)
         self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self.dfd = -1
+        if direct and hasattr(os, "O_DIRECT") and os.environ.get(DIRECT_ENV) != "off":
+            try:
+                self.dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+            except OSError:
+                self.dfd = -1
         self.stamp = _Stamp.of(os.fstat(self.fd))
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
@@ -105,9 +114,10 @@ class _File:
             os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        for fd in (self.fd, self.dfd):
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self.dfd = -1
 
 
 def _preadv(f: _File, bufs: list, off: int, n: int) -> int:
@@ -155,8 +165,8 @@ def _lib():
                         os.unlink(tmp)
             lib = ctypes.CDLL(str(out))
             P, I = ctypes.c_void_p, ctypes.c_int64
-            lib.pi_read_records.argtypes = [ctypes.c_int, I, I, ctypes.c_int, P, P, P, P, P, P, P, I, I, ctypes.c_int,
-                                            P, I, P]
+            lib.pi_read_records.argtypes = [ctypes.c_int, ctypes.c_int, I, I, ctypes.c_int, P, P, P, P, P, P, P, I, I, I,
+                                            ctypes.c_int, P, I, P, P]
             lib.pi_read_records.restype = I
             _C["lib"] = lib
         except (OSError, subprocess.SubprocessError) as e:
@@ -175,6 +185,11 @@ class Stream:
     stride: int
     parts: list[tuple[int, int, int]]
     pos: np.ndarray  # int64 [n_ff]
+
+    @property
+    def direct(self) -> bool:
+        """Read with O_DIRECT (page-aligned records, a file opened so), bypassing the page cache."""
+        return self.file.dfd >= 0 and self.base % PAGE == 0 and self.stride % PAGE == 0 and self.stride <= MAX_JOB
 
 
 def _page_round(n: int) -> int:
@@ -306,7 +321,7 @@ def open_streams(g: GGUFFile, plan: ResidencyPlan, note=None) -> tuple[list[list
         if found is None:
             raise PowerInferError(f"{path}: the row cache just written does not read back")
     _, start = found
-    f = _File(path)
+    f = _File(path, direct=True)
     want = start + plan.n_layer * plan.n_ff * rec
     if f.stamp.size != want:
         raise PowerInferError(f"{path}: {f.stamp.size} bytes, expected {want}: a row cache that does not match {g.path}")
@@ -395,9 +410,11 @@ class RowReader:
         bases = (ctypes.c_void_p * len(slabs))(*[ctypes.addressof(ctypes.c_char.from_buffer(v)) for v in slabs])
         rbs = (ctypes.c_int64 * len(row_bytes))(*row_bytes)
         out = (ctypes.c_int64 * 5)()
-        n = lib.pi_read_records(st.file.fd, st.base, st.stride, len(st.parts), offs, lens, mats, bases, rbs,
-                                pos.ctypes.data, slots.ctypes.data, len(pos), MAX_GAP, self.threads,
-                                self._junk.ctypes.data, self._junk.nbytes, out)
+        direct = st.direct
+        n = lib.pi_read_records(st.file.dfd if direct else st.file.fd, int(direct), st.base, st.stride,
+                                len(st.parts), offs, lens, mats, bases, rbs, pos.ctypes.data, slots.ctypes.data,
+                                len(pos), MAX_GAP, MAX_JOB, self.threads, self._junk.ctypes.data, self._junk.nbytes,
+                                self._stage_ptr() if direct else None, out)
         if n < 0:
             off, err, got, want = out[1], out[2], out[3], out[4]
             if err:
@@ -409,6 +426,14 @@ class RowReader:
             self.stats.reads += n
             self.stats.bytes += out[0]
         return out[0]
+
+    def _stage_ptr(self) -> int:
+        """Page-aligned staging buffers for O_DIRECT reads: one of :data:`MAX_JOB` bytes per thread."""
+        if getattr(self, "_stage", None) is None or self._stage_n != self.threads:
+            raw = np.empty(self.threads * MAX_JOB + PAGE, dtype=np.uint8)
+            off = -raw.ctypes.data % PAGE
+            self._stage, self._stage_n = raw[off:off + self.threads * MAX_JOB], self.threads
+        return self._stage.ctypes.data
 
     def _iov_jobs(self, st: Stream, pos: list[int], slots: list[int], slabs, row_bytes):
         """``(file, buffers, offset, nbytes)`` for one run of records, split at MAX_IOV buffers."""
@@ -446,8 +471,11 @@ class RowReader:
             raise err
 
     def drop_cache(self, streams: list[Stream], n_ff: int) -> None:
+        """Drop the pages buffered reads of ``streams`` left in the page cache."""
+        lib = _lib()
         for st in streams:
-            st.file.drop_cache(st.base, n_ff * st.stride)
+            if not (lib is not None and st.direct):
+                st.file.drop_cache(st.base, n_ff * st.stride)
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)
