@@ -218,8 +218,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--activation", type=Path, required=True, help="activation folder (hot neurons)")
     ap.add_argument("--deep-activation", type=int, default=1, help="repeat each layer's counts this many times")
     ap.add_argument("--share", type=float, default=0.6, help="cgroup limit as a share of the PWRI file size")
-    ap.add_argument("--budget-margin", type=float, default=0.05,
-                    help="GiB between the cgroup limit and --ram-budget (page tables, kernel memory)")
+    ap.add_argument("--budget-margin", type=float, default=0.15,
+                    help="GiB between the cgroup limit and --ram-budget: the cgroup also charges page tables, "
+                         "kernel memory and the page cache (at 0.05 the kernel reclaims on every allocation)")
     ap.add_argument("-n", type=int, default=8, help="tokens per run")
     ap.add_argument("--cap", type=int, default=4, help="tokens per run of the other engines under the limit")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per run under the limit")
