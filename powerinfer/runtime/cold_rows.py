@@ -12,20 +12,22 @@ only while it matches the GGUF (header hash and size, row types, record order), 
 rebuilt. ``$POWERINFER_ROW_CACHE=off`` reads the GGUF.
 
 **Reads.** Per layer and token, the predicted-active neurons not resident are read in one
-batch: sorted by file position, neighbours within :data:`MAX_GAP` records merged into one
-``preadv`` that scatters each row straight into its slot (the records between land in a
-junk buffer), :data:`IO_THREADS` reads in flight (``os.preadv`` releases the GIL). While
-they are in flight the resident neurons' gate/up products run. The file is opened with
-``POSIX_FADV_RANDOM`` (no readahead) and the pages a layer read are dropped from the page
-cache afterwards (``POSIX_FADV_DONTNEED``), so the page cache does not grow past the budget.
+batch: sorted by file position, neighbours within :data:`MAX_GAP` records merged into one read
+(the records between are read and dropped), shared out among :data:`IO_THREADS` threads by
+``cold_rows.c`` (compiled once like the kernels, called from a thread so the GIL is free; without
+a compiler ``os.preadv`` from a thread pool). While they are in flight the resident neurons'
+gate/up products run. The page-aligned row cache is read with ``O_DIRECT`` into a staging buffer
+per thread (nothing enters the page cache); the GGUF's rows are read buffered, the file opened
+with ``POSIX_FADV_RANDOM`` and the pages a layer read dropped after it (``POSIX_FADV_DONTNEED``),
+so the page cache does not grow past the budget either way.
 
-**Resident rows.** Each layer holds one slab per FFN matrix (``[hot + window, n_embd]`` in
-the file's type, a :class:`QWeight`): slots ``0..hot-1`` the pinned hot neurons (read once
-at load), the rest the reuse window (least recently used slot replaced first). The
+**Resident rows.** One slab per FFN matrix for the whole model (:class:`RowPool`, in the file's
+type, a :class:`QWeight`): each layer's pinned hot rows in a fixed range (read once at load),
+then the reuse window shared by the layers (the slots of the oldest tokens replaced first). The
 products run on the slab with the same row kernels as the full matrices, the slots given in
-neuron order, so a token's numbers equal those of the unlimited run (unless one token
-needs more cold neurons in a layer than the window holds: those run in two passes whose
-sums are added, which may round differently).
+neuron order, so a token's numbers equal those of the unlimited run (unless one layer needs more
+cold neurons than the whole window holds: those run in passes whose sums are added, which may
+round differently; :attr:`ReadStats.split` counts them).
 
 **Errors.** A short read (the file shrank), a read error, or a file whose size, time stamp
 or inode changed since it was opened is a PowerInferError naming the file (and the offset

@@ -16,8 +16,8 @@ this order:
    layer, at least the token embedding's bytes: the embedding is read row by row on demand
    but every row is scanned once at load, so its pages are resident then);
 2. of what is left, :data:`WINDOW_SHARE` more goes to the reuse window (rows read for recent
-   tokens, kept while they fit, least recently used dropped first: LLM in a Flash's
-   sliding window);
+   tokens, kept while they fit, those of the oldest token dropped first: LLM in a Flash's
+   sliding window), one pool shared by the layers;
 3. the rest holds the hottest FFN neurons (gate, up and down rows, in the file's type),
    chosen by the same placement as ``--vram-budget`` (:func:`powerinfer.convert.placement.
    place_neurons` over the activation counts, chunks of 64 neurons, each layer a prefix of
