@@ -200,8 +200,6 @@ def disk_probe(path: Path, seconds: float = 2.0) -> dict:
 
 def deep_activation(src: Path, repeat: int, dst: Path) -> Path:
     """Counts of a shallow model's layers repeated ``repeat`` times (layer k is layer k // repeat)."""
-    import torch
-
     from powerinfer.formats.activation import load_activation_dir, save_activation_dir
 
     counts = load_activation_dir(src)
@@ -265,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     row_files = list(rows.glob(f"{a.pwri.name}.*.pirows")) if rows and rows.is_dir() else []
     ours = [a.pwri, *row_files]
     full = go(run("pi-run", pi_cmd(a.pwri, a.n, text_args), None, 3600, ours), lambda r: parse_pi(r, False))
-    full_b = go(run("pi-run --bench", pi_cmd(a.pwri, a.n, ["--bench"]), None, 3600, ours),
+    go(run("pi-run --bench", pi_cmd(a.pwri, a.n, ["--bench"]), None, 3600, ours),
                 lambda r: parse_pi(r, True))
     lim = go(run("pi-run --ram-budget", pi_cmd(a.pwri, a.n, budget_args + text_args), limit, 3600, ours),
              lambda r: parse_pi(r, False))

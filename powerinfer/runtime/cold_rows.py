@@ -131,7 +131,8 @@ def _preadv(f: _File, bufs: list, off: int, n: int) -> int:
         raise PowerInferError(f"{f.path}: read error at offset {off} ({n} bytes): {e.strerror or e}") from None
     if got != n:
         raise PowerInferError(f"{f.path}: short read at offset {off}: {got} of {n} bytes (the file is "
-                              f"{os.fstat(f.fd).st_size} bytes now, {f.stamp.size} when opened): it changed while running")
+                              f"{os.fstat(f.fd).st_size} bytes now, {f.stamp.size} when opened): "
+                              "it changed while running")
     return got
 
 
@@ -158,7 +159,8 @@ def _lib():
                 fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
                 os.close(fd)
                 try:
-                    r = subprocess.run([cc, *flags, str(CSOURCE), "-o", tmp], capture_output=True, text=True, timeout=120)
+                    r = subprocess.run([cc, *flags, str(CSOURCE), "-o", tmp], capture_output=True, text=True,
+                                       timeout=120)
                     if r.returncode != 0:
                         raise OSError(r.stderr.strip()[-300:])
                     os.replace(tmp, out)
@@ -167,8 +169,8 @@ def _lib():
                         os.unlink(tmp)
             lib = ctypes.CDLL(str(out))
             P, I = ctypes.c_void_p, ctypes.c_int64
-            lib.pi_read_records.argtypes = [ctypes.c_int, ctypes.c_int, I, I, ctypes.c_int, P, P, P, P, P, P, P, I, I, I,
-                                            ctypes.c_int, P, I, P, P]
+            C = ctypes.c_int
+            lib.pi_read_records.argtypes = [C, C, I, I, C, P, P, P, P, P, P, P, I, I, I, C, P, I, P, P]
             lib.pi_read_records.restype = I
             _C["lib"] = lib
         except (OSError, subprocess.SubprocessError) as e:
@@ -326,7 +328,8 @@ def open_streams(g: GGUFFile, plan: ResidencyPlan, note=None) -> tuple[list[list
     f = _File(path, direct=True)
     want = start + plan.n_layer * plan.n_ff * rec
     if f.stamp.size != want:
-        raise PowerInferError(f"{path}: {f.stamp.size} bytes, expected {want}: a row cache that does not match {g.path}")
+        raise PowerInferError(f"{path}: {f.stamp.size} bytes, expected {want}: "
+                              f"a row cache that does not match {g.path}")
     streams = []
     parts, o = [], 0
     for m, (_, _, rb) in enumerate(plan.parts):
@@ -801,7 +804,8 @@ def load_budgeted(g: GGUFFile, dtype: torch.dtype, n_ctx: int | None, budget_gib
                   activation_dir: str | None = None, note=None, interpreter: int | None = None):
     """``(model, plan, reader)``: the model of the opened PWRI file ``g`` built within
     ``budget_gib`` GiB (:func:`~.residency.plan_residency`; its minimum is checked before any
-    weight is read; ``interpreter``: bytes the process holds, default its resident set now). Raises PowerInferError for a budget below the minimum, a dense file, FFN
+    weight is read; ``interpreter``: bytes the process holds, default its resident set now).
+    Raises PowerInferError for a budget below the minimum, a dense file, FFN
     rows of a type the row kernels do not read, or an unreadable activation folder."""
     from .args import ModelArgs
     from .model import DEFAULT_CTX, Transformer
