@@ -108,7 +108,7 @@ def ffn_row_type(g: GGUFFile) -> str:
 
 def ensure_gpu_index(model_path: str | Path, vram_budget_gib: float, activation_dir: str | Path | None = None,
                      n_ctx: int | None = None, reset: bool = False, chunk: int = 64,
-                     min_share: float = 0.0) -> GpuPlan | None:
+                     min_share: float = 0.0, g: GGUFFile | None = None) -> GpuPlan | None:
     """The GPU neuron masks for ``model_path`` under ``vram_budget_gib`` GiB.
 
     Reuses ``<model>.generated.gpuidx`` when it matches (model, n_layer, n_ff,
@@ -122,7 +122,7 @@ def ensure_gpu_index(model_path: str | Path, vram_budget_gib: float, activation_
     """
     model_path = Path(model_path)
     check_budget(vram_budget_gib, 0, 0, model_path)
-    g = open_gguf(model_path)
+    g = g if g is not None else open_gguf(model_path)  # the caller's opened file, when it has one
     arch = g.arch
     n_layer = int(g.require(f"{arch}.block_count"))
     n_ff = int(g.require(f"{arch}.feed_forward_length"))

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ..cli_params import check_ctx_size, check_threads, require_file, version_option
+from ..cli_params import FiniteFloat, check_ctx_size, check_threads, require_file, version_option
 from ..errors import PowerInferError, cli_errors
+from ..limits import MAX_BUDGET_GIB
 from ..runtime.cli import DTYPE_NAMES
 
 if TYPE_CHECKING:  # torch and the runtime are imported when the command runs, so --help answers at once
@@ -46,6 +47,8 @@ class Setup:
     threads: int
     dtype: str
     capped: bool = False  # the note that -c was cut to the model's context was printed
+    ram_budget: float | None = None  # --ram-budget GiB (predictor mode only)
+    activation_dir: str | None = None
 
 
 def _progress(label: str):
@@ -73,7 +76,9 @@ def _load(s: Setup, mode: str):
 
     from ..runtime.loading import default_threads, load_model
 
-    model, tok = load_model(s.model_path, s.dtype, dense=mode == "dense", n_ctx=s.ctx_size or DEFAULT_CTX)
+    model, tok = load_model(s.model_path, s.dtype, dense=mode == "dense", n_ctx=s.ctx_size or DEFAULT_CTX,
+                            ram_budget=s.ram_budget if mode == "predictor" else None, activation_dir=s.activation_dir,
+                            note=lambda m: sys.stderr.write(m + "\n"))
     if s.ctx_size and model.n_ctx < s.ctx_size and not s.capped:  # capped with a note, as pi-run does
         sys.stderr.write(f"note: -c {s.ctx_size} is more than the model's context length; using {model.n_ctx}\n")
         s.capped = True
@@ -147,9 +152,15 @@ def compare_table(results: dict[str, PerplexityResult]) -> str:
 @click.option("--oracle", is_flag=True, help="Compute exactly the truly active FFN neurons (needs a PWRI file).")
 @click.option("--compare", is_flag=True,
               help="Dense, predictor and oracle on the same tokens: PPL, change vs dense, neurons computed.")
+@click.option("--ram-budget", type=FiniteFloat(0, MAX_BUDGET_GIB), default=None,
+              help="GiB of RAM to stay within: hot FFN neurons resident, cold rows read from the file, as pi-run "
+                   "(predictor mode only).")
+@click.option("--activation", "activation_dir", type=click.Path(file_okay=False), default=None,
+              help="Activation folder choosing the hot neurons for --ram-budget (default: activation/ beside the model).")
 @version_option("pi-perplexity")
 @cli_errors
-def main(model_path, text_path, ctx_size, n_chunks, n_batch, threads, dtype, dense, oracle, compare):
+def main(model_path, text_path, ctx_size, n_chunks, n_batch, threads, dtype, dense, oracle, compare, ram_budget,
+         activation_dir):
     """Perplexity of a model on a text, computed as llama.cpp's llama-perplexity does."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     # values and input files are checked before torch is imported (seconds on a cold start)
@@ -163,6 +174,9 @@ def main(model_path, text_path, ctx_size, n_chunks, n_batch, threads, dtype, den
     check_threads(threads)
     if sum((dense, oracle, compare)) > 1:
         raise PowerInferError("--dense, --oracle and --compare exclude each other (--compare runs all three)")
+    if ram_budget is not None and (dense or oracle or compare):
+        raise PowerInferError("--ram-budget runs the predictor's sparse FFN: it cannot be combined with --dense, "
+                              "--oracle or --compare")
     require_file(model_path)
     require_file(text_path)
     from ..formats.gguf_file import open_gguf
@@ -174,7 +188,8 @@ def main(model_path, text_path, ctx_size, n_chunks, n_batch, threads, dtype, den
         flag = "--oracle" if oracle else "--compare"
         raise PowerInferError(f"{model_path}: a dense GGUF (no predictors): {flag} needs a PowerInfer GGUF "
                               "(PWRI, from pi-convert MODEL PRED_DIR); without the flag it is evaluated dense")
-    s = Setup(model_path, text, ctx_size or None, n_chunks, n_batch, threads, dtype)
+    s = Setup(model_path, text, ctx_size or None, n_chunks, n_batch, threads, dtype,
+              ram_budget=ram_budget, activation_dir=activation_dir)
     if not compare:
         mode = "oracle" if oracle else "dense" if (dense or not sparse_file) else "predictor"
         res, *_ = _evaluate(s, mode, None)

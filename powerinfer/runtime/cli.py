@@ -129,6 +129,9 @@ def bench_report(model: "Transformer", st: "GenStats", path: str) -> str:
     from .hybrid import placement_lines  # --vram-budget: MB per device, busy share of decode time
 
     lines += placement_lines(model, st.n_eval)
+    from .cold_rows import budget_lines  # --ram-budget: resident MB by kind, reads per token, hit rate
+
+    lines += budget_lines(model)
     return "\n".join(lines) + "\n"
 
 
@@ -163,6 +166,10 @@ def bench_report(model: "Transformer", st: "GenStats", path: str) -> str:
 @click.option("--dense", is_flag=True, help="Compute every FFN neuron even in a PWRI file.")
 @click.option("--vram-budget", type=FiniteFloat(0, MAX_BUDGET_GIB), default=None,
               help="GiB of GPU memory: hot FFN neurons go to the GPU, cold ones stay on the CPU.")
+@click.option("--ram-budget", type=FiniteFloat(0, MAX_BUDGET_GIB), default=None,
+              help="GiB of RAM the process may keep resident (everything counted): attention, predictors, output, "
+                   "KV cache and the hottest FFN neurons stay resident, the other FFN rows are read from the file "
+                   "when predicted active (PWRI files).")
 @click.option("--activation", "activation_dir", type=click.Path(file_okay=False), default=None,
               help="Activation folder for the neuron placement (default: activation/ beside the model).")
 @click.option("--reset-gpu-index", is_flag=True, help="Re-solve the placement even if a matching index exists.")
@@ -184,7 +191,7 @@ def bench_report(model: "Transformer", st: "GenStats", path: str) -> str:
 @version_option("pi-run")
 @cli_errors
 def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
-         seed, ignore_eos, threads, dense, vram_budget, activation_dir, reset_gpu_index, disable_gpu_index, dtype,
+         seed, ignore_eos, threads, dense, vram_budget, ram_budget, activation_dir, reset_gpu_index, disable_gpu_index, dtype,
          kernel_backend, conversation, interactive, system_prompt, bench):
     """Generate text with sparse FFNs: only the neurons the predictor marks active are computed."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
@@ -217,7 +224,7 @@ def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_
 
     model, tok = open_for_inference(
         model_path, dtype=dtype, dense=dense, ctx_size=ctx_size, threads=threads, kernel_backend=kernel_backend,
-        vram_budget=vram_budget, activation_dir=activation_dir, reset_gpu_index=reset_gpu_index,
+        vram_budget=vram_budget, ram_budget=ram_budget, activation_dir=activation_dir, reset_gpu_index=reset_gpu_index,
         disable_gpu_index=disable_gpu_index, note=lambda s: click.echo(s, err=True))
     sampler = SamplerSettings(temp, top_k, top_p, seed, repeat_penalty, repeat_last_n, min_p)
     if conversation:

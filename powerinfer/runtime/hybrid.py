@@ -488,7 +488,7 @@ def _device_for(device: str | None) -> torch.device | None:
 
 
 def offload(model, model_path, vram_budget_gib: float, activation_dir=None, reset: bool = False,
-            device: str | None = None) -> str | None:
+            device: str | None = None, g=None) -> str | None:
     """``pi-run --vram-budget``: place the model's dense parts, then its hot neurons, on the device.
 
     Returns a summary line, or None (after a logged warning) when there is no CUDA device and
@@ -512,7 +512,7 @@ def offload(model, model_path, vram_budget_gib: float, activation_dir=None, rese
             log.warning("--vram-budget %.2f GiB is more than the %.2f GiB free on %s (less a 256 MiB margin): "
                         "using %.2f GiB", vram_budget_gib, free, dev, free)
             vram_budget_gib = free
-    g = open_gguf(model_path)
+    g = g if g is not None else open_gguf(model_path)  # ``g``: the file the model was loaded from, opened once
     budget = int(vram_budget_gib * GIB)
     plan = plan_dense(g, model.n_ctx, budget, cuda=dev.type == "cuda")
     masks, index = None, "no FFN neurons: the dense parts took the budget"
@@ -524,7 +524,7 @@ def offload(model, model_path, vram_budget_gib: float, activation_dir=None, rese
         else:
             index_budget = (dense_vram_bytes(g, model.n_ctx) + cap * plan.file_neuron_bytes
                             + plan.file_neuron_bytes // 2) / GIB
-        gp = ensure_gpu_index(model_path, index_budget, activation_dir, n_ctx=model.n_ctx, reset=reset)
+        gp = ensure_gpu_index(model_path, index_budget, activation_dir, n_ctx=model.n_ctx, reset=reset, g=g)
         if gp is not None:
             masks = gp.gpu
             index = f"GPU index {'reused' if gp.reused else 'built'} ({gp.path})"

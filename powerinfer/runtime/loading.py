@@ -9,7 +9,7 @@ import torch
 
 from ..cli_params import check_ctx_size, check_threads
 from ..errors import PowerInferError
-from ..formats.gguf_file import open_gguf
+from ..formats.gguf_file import GGUFFile, open_gguf
 from . import kernels
 from .generate import decode_bytes_per_token
 from .model import Transformer
@@ -19,9 +19,25 @@ from .weights import compute_dtype
 SMALL_MODEL_BYTES = 64 << 20  # below this many weight bytes per token, one thread is fastest
 
 
-def load_model(path: str, dtype: str = "f32", dense: bool = False, n_ctx: int | None = None):
-    """Open ``path`` and build the runtime model and its tokenizer (``dtype``: auto, bf16, f32)."""
-    g = open_gguf(path)
+def load_model(path: str, dtype: str = "f32", dense: bool = False, n_ctx: int | None = None,
+               ram_budget: float | None = None, activation_dir: str | None = None,
+               note: Callable[[str], None] | None = None, g: GGUFFile | None = None):
+    """Open ``path`` and build the runtime model and its tokenizer (``dtype``: auto, bf16, f32).
+
+    ``ram_budget`` (GiB): hot FFN neurons resident, cold ones read from the file
+    (:mod:`.residency`, :mod:`.cold_rows`). ``g``: ``path`` already opened (validated once)."""
+    g = g if g is not None else open_gguf(path)
+    if ram_budget is not None:
+        tok = GGUFTokenizer(g)  # before the plan measures what the process holds
+        if dense:
+            raise PowerInferError("--ram-budget and --dense: a dense FFN reads every row every token; "
+                                  "the budget needs the sparse FFN")
+        from .cold_rows import load_budgeted
+
+        model, plan, _ = load_budgeted(g, compute_dtype(dtype), n_ctx, ram_budget, activation_dir, note)
+        if note is not None:
+            note(plan.summary())
+        return model, tok
     model = Transformer(g, compute_dtype(dtype), dense=dense, n_ctx=n_ctx)
     return model, GGUFTokenizer(g)
 
@@ -46,22 +62,28 @@ def set_kernels(kernel_backend: str | None) -> None:
 def open_for_inference(model_path: str, *, dtype: str = "auto", dense: bool = False, ctx_size: int = 0,
                        threads: int = 0, kernel_backend: str | None = None, vram_budget: float | None = None,
                        activation_dir: str | None = None, reset_gpu_index: bool = False,
-                       disable_gpu_index: bool = False,
+                       disable_gpu_index: bool = False, ram_budget: float | None = None,
                        note: Callable[[str], None] = lambda s: sys.stderr.write(s + "\n")):
     """The model and tokenizer of ``model_path``, ready to decode: ``ctx_size`` 0 is the model's
     context (larger values are cut to it, with a ``note``), ``threads`` 0 picks by model size,
-    ``vram_budget`` (GiB) places hot neurons on the GPU. Raises PowerInferError on bad values."""
+    ``vram_budget`` (GiB) places hot neurons on the GPU; ``ram_budget`` (GiB) keeps the process
+    within that much resident memory, cold FFN rows read from the file (not with ``vram_budget``
+    for now). Raises PowerInferError on bad values."""
     check_ctx_size(ctx_size)  # the front ends check these before importing torch; kept for library callers
     check_threads(threads)
     set_kernels(kernel_backend)
-    model, tok = load_model(model_path, dtype, dense, ctx_size or None)
+    if ram_budget is not None and vram_budget is not None and not disable_gpu_index:
+        raise PowerInferError("--ram-budget with --vram-budget: not supported yet (the GPU split copies the CPU "
+                              "side's rows out of full matrices, which a RAM budget never holds); give one")
+    g = open_gguf(model_path)  # opened and validated once: the model, the plan and the GPU index read it
+    model, tok = load_model(model_path, dtype, dense, ctx_size or None, ram_budget, activation_dir, note, g)
     if ctx_size > model.n_ctx:
         note(f"note: -c {ctx_size} is more than the model's context length; using {model.n_ctx}")
     torch.set_num_threads(threads or default_threads(model))
     if vram_budget is not None and not disable_gpu_index:
         from .hybrid import offload
 
-        summary = offload(model, model_path, vram_budget, activation_dir, reset_gpu_index)
+        summary = offload(model, model_path, vram_budget, activation_dir, reset_gpu_index, g=g)
         if summary is not None:
             note(summary)
     return model, tok

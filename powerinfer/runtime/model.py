@@ -250,8 +250,10 @@ def build_ffn(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype, dense: bool
     return ffn
 
 
-def build_layer(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype, dense: bool, mapped: bool = False) -> Layer:
-    """Layer ``i``: its norms by the family's layout, attention and FFN."""
+def build_layer(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype, dense: bool, mapped: bool = False,
+                ffn_builder: Callable | None = None) -> Layer:
+    """Layer ``i``: its norms by the family's layout, attention and FFN (``ffn_builder``, same
+    arguments as :func:`build_ffn`, replaces it: ``--ram-budget``'s FFNs)."""
     p = f"blk.{i}."
     if a.family.parallel_attn:  # Falcon: attn_norm feeds the FFN, attn_norm_2 (if any) the attention
         ffn_norm = load_norm(g, p + "attn_norm", a, dtype)
@@ -259,7 +261,7 @@ def build_layer(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype, dense: bo
     else:
         attn_norm, ffn_norm = load_norm(g, p + "attn_norm", a, dtype), load_norm(g, p + "ffn_norm", a, dtype)
     wqkv, bqkv, wo, bo = load_attention(g, p, a, dtype, mapped)
-    return Layer(attn_norm, ffn_norm, wqkv, bqkv, wo, bo, build_ffn(g, i, a, dtype, dense, mapped))
+    return Layer(attn_norm, ffn_norm, wqkv, bqkv, wo, bo, (ffn_builder or build_ffn)(g, i, a, dtype, dense, mapped))
 
 
 class Transformer:
@@ -274,7 +276,7 @@ class Transformer:
     """
 
     def __init__(self, g: GGUFFile, dtype: torch.dtype = torch.float32, dense: bool = False,
-                 n_ctx: int | None = None):
+                 n_ctx: int | None = None, ffn_builder: Callable | None = None):
         self.args = a = ModelArgs.from_gguf(g)
         fam = a.family
         self.dtype = dtype
@@ -306,7 +308,8 @@ class Transformer:
             kv = KVCache.nbytes(a.n_layer, 1, a.n_head_kv, a.head_dim, dtype)
             log.warning("context: %d tokens of the model's %d (KV cache %s); -c %d for the whole context "
                         "(KV cache %s)", self.n_ctx, max_ctx, _size(kv * self.n_ctx), max_ctx, _size(kv * max_ctx))
-        self.layers: list[Layer] = [build_layer(g, i, a, dtype, self.dense, mapped) for i in range(a.n_layer)]
+        self.layers: list[Layer] = [build_layer(g, i, a, dtype, self.dense, mapped, ffn_builder)
+                                    for i in range(a.n_layer)]
         self.rope = {"normal": apply_rope, "neox": apply_rope_neox, None: None}[fam.rope]
         self.cos, self.sin = rope_tables(self.n_ctx, a.n_rot, a.rope_base)
         self.cache = KVCache(a.n_layer, self.n_ctx, a.n_head_kv, a.head_dim, dtype)
@@ -314,6 +317,7 @@ class Transformer:
         self.placement = None  # hybrid.DevicePlacement once offloaded: device, dtype, timing
         self.head_on_device = False  # output norm and matrix on the offload device
         self._rope_on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.before_forward: Callable[[], None] | None = None  # --ram-budget: files checked, pages dropped
 
     def _rope(self, device: torch.device, pos: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin rows ``pos..pos+T-1`` on ``device`` (copied there once)."""
@@ -376,6 +380,8 @@ class Transformer:
         T = tokens.shape[0]
         if pos + T > self.n_ctx:
             raise PowerInferError(f"{pos + T} tokens exceed the context length {self.n_ctx}")
+        if self.before_forward is not None:
+            self.before_forward()
         x = embed(self.tok_embd, tokens).to(self.dtype)  # [T, D]
         if self.pos_embd is not None:
             off = pos + self.args.family.learned_pos_offset

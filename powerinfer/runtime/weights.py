@@ -71,6 +71,12 @@ def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tens
         pass
     raw = torch.frombuffer(buf, dtype=torch.uint8)
     off = -raw.data_ptr() % _HUGE  # start on a 2 MiB boundary so whole huge pages back it
+    tail = off + n // _HUGE * _HUGE  # the last, partial 2 MiB: small pages, so no huge page overshoots n
+    if n % _HUGE and hasattr(mmap, "MADV_NOHUGEPAGE"):
+        try:
+            buf.madvise(mmap.MADV_NOHUGEPAGE, tail, len(buf) - tail)
+        except OSError:
+            pass
     return raw[off:off + n].view(dtype).view(shape)
 
 

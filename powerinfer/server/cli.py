@@ -62,6 +62,8 @@ def _check_port_free(host: str, port: int) -> None:
 @click.option("--kernels", "kernel_backend", type=click.Choice(["auto", "c", "torch"]), default=None,
               help="Decode kernels (default auto, or $POWERINFER_KERNELS).")
 @click.option("--vram-budget", type=FiniteFloat(0, MAX_BUDGET_GIB), default=None, help="GiB of GPU memory for hot neurons, as pi-run.")
+@click.option("--ram-budget", type=FiniteFloat(0, MAX_BUDGET_GIB), default=None,
+              help="GiB of RAM to stay within: hot FFN neurons resident, cold rows read from the file, as pi-run.")
 @click.option("-a", "--alias", default=None, help="The model's name in the API (default: the file name).")
 @click.option("--api-key", envvar="POWERINFER_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' (also $POWERINFER_API_KEY).")
@@ -72,12 +74,15 @@ def _check_port_free(host: str, port: int) -> None:
 @version_option("pi-server")
 @cli_errors
 def main(model_path, host, port, ctx_size, n_parallel, ubatch, ffn_batch, metrics, threads, dense, dtype,
-         kernel_backend, vram_budget, alias, api_key, max_queue, log_level):
+         kernel_backend, vram_budget, ram_budget, alias, api_key, max_queue, log_level):
     """Serve a model: POST /v1/completions, /v1/chat/completions (stream or not), /completion; GET /v1/models,
     /health, /slots, /metrics. -np N requests are decoded at once (continuous batching), more wait in arrival order."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(message)s")
     if api_key is not None and not api_key.strip():
         raise PowerInferError("--api-key: empty")
+    if ram_budget is not None and n_parallel > 1:
+        raise PowerInferError("--ram-budget with -np > 1: not supported yet (batched steps read every sequence's "
+                              "FFN rows from full matrices); serve one request at a time under a RAM budget")
     check_ctx_size(ctx_size)
     check_threads(threads)
     from ..formats.gguf_file import check_gguf
@@ -92,7 +97,7 @@ def main(model_path, host, port, ctx_size, n_parallel, ubatch, ffn_batch, metric
     from .scheduler import Scheduler
 
     model, tok = open_for_inference(model_path, dtype=dtype, dense=dense, ctx_size=ctx_size, threads=threads,
-                                    kernel_backend=kernel_backend, vram_budget=vram_budget,
+                                    kernel_backend=kernel_backend, vram_budget=vram_budget, ram_budget=ram_budget,
                                     note=lambda s: click.echo(s, err=True))
     template = template_for(tok)
     engine = Scheduler(model, tok, n_parallel, max_queue=max_queue, ubatch=ubatch, ffn_mode=ffn_batch)
