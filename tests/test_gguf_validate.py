@@ -125,6 +125,15 @@ def test_huge_counts_are_refused_before_reading(tmp_path, demo, field):
     _refused_before_reading(p, str(p))
 
 
+def test_a_file_cut_inside_its_header_is_called_truncated(tmp_path, demo):
+    """A real file cut to 100 bytes: its key count is genuine but the keys cannot fit, so the
+    message says truncated (not a bound the count exceeded)."""
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(demo.read_bytes()[:100])
+    with pytest.raises(PowerInferError, match=r"truncated: \d+ metadata keys cannot fit in a file of 100 bytes"):
+        open_gguf(p)
+
+
 def test_scores_of_the_wrong_length(tmp_path, demo):
     p = _variant(tmp_path, demo, lambda g: g.kv("tokenizer.ggml.scores").value.pop())
     _refused(p, "tokenizer.ggml.scores has 511 entries, but there are 512 tokens")

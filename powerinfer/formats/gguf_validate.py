@@ -197,10 +197,14 @@ def _scan(buf: Any, path: Path, size: int) -> Header:
     n_tensors = c.scalar("Q", "the tensor count")
     n_kv = c.scalar("Q", "the metadata key count")
     # smallest possible records: a key is 8 + 4 + 1 bytes, a tensor info 8 + 4 + 8 + 4 + 8
-    if n_kv > MAX_KEYS or n_kv * 13 > size - c.pos:
-        raise c.fail(f"metadata key count {n_kv} is impossible for a file of {size} bytes (at most {MAX_KEYS})")
-    if n_tensors > MAX_TENSORS or n_tensors * 32 > size - c.pos:
-        raise c.fail(f"tensor count {n_tensors} is impossible for a file of {size} bytes (at most {MAX_TENSORS})")
+    if n_kv > MAX_KEYS:
+        raise c.fail(f"metadata key count {n_kv} is more than the {MAX_KEYS} this reader accepts")
+    if n_kv * 13 > size - c.pos:
+        raise c.fail(f"truncated: {n_kv} metadata keys cannot fit in a file of {size} bytes")
+    if n_tensors > MAX_TENSORS:
+        raise c.fail(f"tensor count {n_tensors} is more than the {MAX_TENSORS} this reader accepts")
+    if n_tensors * 32 > size - c.pos:
+        raise c.fail(f"truncated: {n_tensors} tensor records cannot fit in a file of {size} bytes")
     h = Header(path, size, version)
     strings = [0]
     for i in range(n_kv):

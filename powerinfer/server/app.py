@@ -269,7 +269,7 @@ def _job(request_loop: asyncio.AbstractEventLoop, state: ServerState, req, ids: 
          max_tokens: int | None) -> Job:
     e = state.engine
     n_ctx = e.n_ctx
-    where = f" (a slot's share of -c {state.model.n_ctx} across -np {e.n_slots})" if e.n_slots > 1 else ""
+    where = f" (a slot's share of the {state.model.n_ctx}-token context across -np {e.n_slots})" if e.n_slots > 1 else ""
     if not ids:
         raise HTTPError(400, "prompt: empty (no tokens to start from)", param="prompt")
     if len(ids) >= n_ctx:
