@@ -39,7 +39,6 @@ import ctypes
 import hashlib
 import json
 import logging
-import math
 import os
 import subprocess
 import tempfile
@@ -55,6 +54,7 @@ from ..errors import PowerInferError
 from ..formats.gguf_file import GGUFFile
 from ..quant.qweight import MAPPED_TYPES, QWeight
 from . import kernels
+from .ffn import gate_min
 from .residency import ResidencyPlan
 
 log = logging.getLogger(__name__)
@@ -734,13 +734,7 @@ class BudgetFFN:
                                       "infinite block scale: the file is corrupt or changed while running")
 
     def _gmin(self):
-        if self.gate_b is not None:
-            return None
-        if self.act.kind == "relu":
-            return 0.0
-        if self.act.kind == "fatrelu":
-            return math.nextafter(float(self.act.threshold), -math.inf)
-        return None
+        return gate_min(self.act, self.gate_b is not None)
 
     def _compute(self, x: torch.Tensor, idx: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         if self.family.gated:

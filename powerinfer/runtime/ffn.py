@@ -38,6 +38,19 @@ from .kernels import linear
 ROWS_MAX_SHARE = 0.3
 
 
+def gate_min(act: Activation, gate_bias: bool) -> float | None:
+    """Gate value at or below which a gated neuron's output is exactly 0 whatever its up product
+    (ReLU: 0; FATReLU: just below its threshold); None for dense activations or when a bias is
+    added to the gate after the product (the kernels then read every up row)."""
+    if gate_bias:
+        return None
+    if act.kind == "relu":
+        return 0.0
+    if act.kind == "fatrelu":
+        return math.nextafter(float(act.threshold), -math.inf)
+    return None
+
+
 @dataclass
 class FFN:
     family: Family
@@ -68,13 +81,7 @@ class FFN:
         """Gate value at or below which a gated neuron's output is exactly 0 whatever its up
         product (ReLU: 0; FATReLU: just below its threshold); None for dense activations
         or when biases are added after the product."""
-        if self.gate_b is not None:
-            return None
-        if self.act.kind == "relu":
-            return 0.0
-        if self.act.kind == "fatrelu":
-            return math.nextafter(float(self.act.threshold), -math.inf)
-        return None
+        return gate_min(self.act, self.gate_b is not None)
 
     def reset_stats(self) -> None:
         self.n_active = self.n_calls = self.n_fired = 0

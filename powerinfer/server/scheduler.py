@@ -285,11 +285,7 @@ class Scheduler:
             self.t_decode += dt * len(gen) / len(toks)
             self.n_decode_steps += 1
             self.n_decode_seqs += len(gen)
-        for s, lg in zip(gen, logits):
-            s.cached.append(s.pending)
-            s.pos += 1
-            s.st.n_eval += 1
-            self._next(s, lg)
+        self._advance(gen, logits)
         k = len(gen)
         for s, n, done in chunks:
             s.st.t_prompt += dt
@@ -317,6 +313,10 @@ class Scheduler:
         self.t_decode += time.perf_counter() - t0
         self.n_decode_steps += 1
         self.n_decode_seqs += len(run)
+        self._advance(run, logits)
+
+    def _advance(self, run: list[Slot], logits) -> None:
+        """Each slot of ``run`` has evaluated its pending token (its logits the matching row)."""
         for s, lg in zip(run, logits):
             s.cached.append(s.pending)
             s.pos += 1
