@@ -114,11 +114,6 @@ def blinear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     return torch.cat([linear(x[i:i + 1], w, b) for i in range(B)])
 
 
-def _act(kind: str, thr: float, v: torch.Tensor) -> torch.Tensor:
-    """sparse_ffn.c's act_apply: relu ``v > 0 ? v : 0``, fatrelu ``v >= thr ? v : 0`` (fp32)."""
-    return torch.where(v > 0 if kind == "relu" else v >= thr, v, torch.zeros((), dtype=v.dtype))
-
-
 class BatchDecoder:
     """Decodes one token for each of several sequences of ``model`` per :meth:`step`.
 
@@ -188,12 +183,11 @@ class BatchDecoder:
             ck, cv = cache.layer(i)
             ck[pos] = k[b]
             cv[pos] = v[b]
-        qs = q
         out = []
         for b, (cache, pos) in enumerate(zip(caches, positions)):  # then one query each against its cache
             ck, cv = cache.layer(i)
             k0 = max(0, pos + 1 - W) if W else 0
-            out.append(attend_one(qs[b], ck[k0:pos + 1], cv[k0:pos + 1]).reshape(a.n_head * hd))
+            out.append(attend_one(q[b], ck[k0:pos + 1], cv[k0:pos + 1]).reshape(a.n_head * hd))
         return blinear(torch.stack(out), layer.wo, layer.bo)
 
     # ------------------------------------------------------------------ FFN
@@ -245,12 +239,11 @@ class BatchDecoder:
         f.t_predict += time.perf_counter() - t0
         idx = mask.any(0).nonzero().view(-1)  # [n] ascending: the union
         sel = mask[:, idx]  # [B, n]
-        kind, thr = f.act.kind, float(f.act.threshold or 0.0)
         if f.gate is not None:
             g, u = kernels.rows_dot_multi(xn, idx, sel, f.gate, f.up, f.gate_min)
-            hidden = _act(kind, thr, g) * (u if f.family.ffn == "reglu" else _act(kind, thr, u))
         else:
-            hidden = _act(kind, thr, kernels.rows_dot_multi(xn, idx, sel, f.up)[0])
+            g, u = None, kernels.rows_dot_multi(xn, idx, sel, f.up)[0]
+        hidden = f.family.combine(f.act, g, u)  # the family's rule, as FFN.rows applies it
         out = kernels.rows_axpy_multi(idx, f.down_t, hidden, AXPY_CHUNK)
         f.n_calls += h.shape[0]
         f.n_active += int(sel.sum())
