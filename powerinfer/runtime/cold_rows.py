@@ -54,7 +54,7 @@ from ..errors import PowerInferError
 from ..formats.gguf_file import GGUFFile
 from ..quant.qweight import MAPPED_TYPES, QWeight
 from . import kernels
-from .ffn import gate_min
+from .ffn import finish_rows, gate_min
 from .residency import ResidencyPlan
 
 log = logging.getLogger(__name__)
@@ -744,15 +744,7 @@ class BudgetFFN:
         return self._finish(x, idx, slots, gate, up)
 
     def _finish(self, x, idx, slots, gate, up):
-        if self.gate_b is not None:
-            gate = gate + self.gate_b[idx]
-        if self.up_b is not None:
-            up = up + self.up_b[idx]
-        hidden = self.family.combine(self.act, gate, up)
-        if self.count_fired:
-            self.n_fired += int(torch.count_nonzero(hidden))
-        out = kernels.rows_axpy(slots, self.mats[-1], hidden).float()
-        return out if self.down_b is None else out + self.down_b
+        return finish_rows(self, idx, gate, up, self.mats[-1], slots, torch.float32)
 
 
 # ---------------------------------------------------------------------------- loading

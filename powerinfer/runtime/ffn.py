@@ -168,12 +168,22 @@ class FFN:
             gate, up = kernels.rows_dot(x, idx, self.gate, self.up, self.gate_min)  # fp32 [k] each
         else:
             gate, up = None, kernels.rows_dot(x, idx, self.up)[0]
-        if self.gate_b is not None:
-            gate = gate + self.gate_b[idx]
-        if self.up_b is not None:
-            up = up + self.up_b[idx]
-        hidden = self.family.combine(self.act, gate, up)  # [k]
-        if self.count_fired:
-            self.n_fired += int(torch.count_nonzero(hidden))
-        out = kernels.rows_axpy(idx, self.down_t, hidden).to(x.dtype)
-        return out if self.down_b is None else out + self.down_b
+        return finish_rows(self, idx, gate, up, self.down_t, idx, x.dtype)
+
+
+def finish_rows(f, idx: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor, down_t, down_idx: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The rest of one token's sparse FFN once its ``k`` gate/up products are known (fp32 ``[k]``,
+    neurons ``idx``): biases, the family's activation rule, the fired count, and the down rows
+    ``down_idx`` of ``down_t`` summed with those weights -> ``[D]`` in ``dtype``. ``f``: the
+    :class:`FFN` (or the RAM-budget FFN, whose rows sit at other indices) holding the biases,
+    family, activation and counters."""
+    if f.gate_b is not None:
+        gate = gate + f.gate_b[idx]
+    if f.up_b is not None:
+        up = up + f.up_b[idx]
+    hidden = f.family.combine(f.act, gate, up)  # [k]
+    if f.count_fired:
+        f.n_fired += int(torch.count_nonzero(hidden))
+    out = kernels.rows_axpy(down_idx, down_t, hidden).to(dtype)
+    return out if f.down_b is None else out + f.down_b
