@@ -816,67 +816,93 @@ static inline __attribute__((always_inline)) void x8_unpack(int qt, const uint8_
     }
 }
 
+/* 4 activation bytes as one int32 (broadcast straight from the activation buffer: a copy
+ * through the stack first cost a store-forward per token-block) */
+static inline int32_t ld32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
 /* the eight rows' integer sums for one token's block, as int32 lanes */
 static inline __attribute__((always_inline)) __m256i x8_block_avx(int qt, const __m256i *v, const int8_t *xb,
                                                                   int32_t xs) {
     const __m256i ones = _mm256_set1_epi16(1);
-    int32_t w4[8];
-    memcpy(w4, xb, 32);
     if (qt == QT_Q4_0) {  /* |each pair| <= 2 * 15 * 127, eight of them <= 30480: no int16 overflow */
-        __m256i s16 = _mm256_maddubs_epi16(v[0], _mm256_set1_epi32(w4[0]));
-        for (int k = 1; k < 8; k++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(v[k], _mm256_set1_epi32(w4[k])));
+        __m256i s16 = _mm256_maddubs_epi16(v[0], _mm256_set1_epi32(ld32(xb)));
+        for (int k = 1; k < 8; k++)
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(v[k], _mm256_set1_epi32(ld32(xb + 4 * k))));
         return _mm256_sub_epi32(_mm256_madd_epi16(s16, ones), _mm256_set1_epi32(8 * xs));
     }
     __m256i s32 = _mm256_setzero_si256();
     for (int k = 0; k < 8; k++) {
-        const __m256i xv = _mm256_set1_epi32(w4[k]);
+        const __m256i xv = _mm256_set1_epi32(ld32(xb + 4 * k));
         s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv),
                                                                            _mm256_sign_epi8(v[k], xv)), ones));
     }
     return s32;
 }
+
+/* rn (1..4, a constant where inlined) tokens from t0 against one group of 8 rows: out [rn][8].
+ * The accumulators stay in registers; each block is unpacked once for the rn tokens. */
+static inline __attribute__((always_inline)) void x8_tile(int qt, const uint8_t *base, int64_t nb, acts_t a,
+                                                          int64_t t0, const int rn, float *out) {
+    const int64_t gb = 8 * block_bytes(qt);  /* bytes of one x8 block */
+    __m256 vacc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = base + b * gb;
+        /* the groups follow each other in memory: the stream X8_AHEAD bytes on is
+         * requested now (the hardware prefetcher alone keeps 0.63-0.65 of the read
+         * rate, this 0.86-0.97; 1, 2, 3, 4 and 8 KB measured, 1 thread, AVX2 EPYC) */
+        for (int64_t o = 0; o < gb; o += 64) __builtin_prefetch(blk + X8_AHEAD + o, 0, 3);
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        __m256i v[8];
+        x8_unpack(qt, blk, v);
+#pragma GCC unroll 4
+        for (int j = 0; j < rn; j++) {
+            const int64_t xb = (t0 + j) * nb + b;  /* the token's block */
+            const int32_t xs = qt == QT_Q4_0 ? a.s[2 * xb] + a.s[2 * xb + 1] : 0;
+            vacc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(x8_block_avx(qt, v, a.q + xb * QK, xs)),
+                                      _mm256_mul_ps(dw, _mm256_set1_ps(a.d[xb])), vacc[j]);
+        }
+    }
+    for (int j = 0; j < rn; j++) _mm256_storeu_ps(out + 8 * j, vacc[j]);
+}
 #endif
 
-/* groups [g0, g1) of y [T, N] for an x8 matrix, tiles of 4 tokens; a: the T activations
- * (q8 blocks, scales, and for Q4_0 the 16-value sums). Called with a constant qt. */
+/* groups [g0, g1) of y [T, N] for an x8 matrix; a: the T activations (q8 blocks, scales,
+ * and for Q4_0 the 16-value sums). Called with a constant qt. Each group of 8 rows takes every
+ * tile of 4 tokens while its bytes are in L1/L2 (group outer, tokens inner: with tokens outer a
+ * batch of 8 read every weight from memory twice), so a step of several tokens reads each weight
+ * from memory once. Per token and row the blocks are summed in order 0..nb-1, whatever T is:
+ * a token's numbers do not depend on the others in the call. */
 static inline __attribute__((always_inline)) void x8_range_t(int qt, const uint8_t *W, int64_t nb, int64_t N,
                                                              acts_t a, int64_t T, float *y, int64_t g0,
                                                              int64_t g1) {
     const int64_t gb = 8 * block_bytes(qt);  /* bytes of one x8 block */
-    for (int64_t t0 = 0; t0 < T; t0 += 4) {
-        const int rn = T - t0 >= 4 ? 4 : (int)(T - t0);
-        for (int64_t g = g0; g < g1; g++) {
-            const uint8_t *base = W + g * nb * gb;
-            float acc[4][8] = {{0}};
+    for (int64_t g = g0; g < g1; g++) {
+        const uint8_t *base = W + g * nb * gb;
+        for (int64_t t0 = 0; t0 < T; t0 += 4) {
+            const int rn = T - t0 >= 4 ? 4 : (int)(T - t0);
+            float acc[4][8];
 #ifdef PI_AVX2
-            __m256 vacc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-#endif
+            if (rn == 4) x8_tile(qt, base, nb, a, t0, 4, acc[0]);
+            else if (rn == 3) x8_tile(qt, base, nb, a, t0, 3, acc[0]);
+            else if (rn == 2) x8_tile(qt, base, nb, a, t0, 2, acc[0]);
+            else x8_tile(qt, base, nb, a, t0, 1, acc[0]);
+#else
+            for (int j = 0; j < rn; j++)
+                for (int i = 0; i < 8; i++) acc[j][i] = 0;
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *blk = base + b * gb;
-                /* the groups follow each other in memory: the stream X8_AHEAD bytes on is
-                 * requested now (the hardware prefetcher alone keeps 0.63-0.65 of the read
-                 * rate, this 0.86-0.97; 1, 2, 3, 4 and 8 KB measured, 1 thread, AVX2 EPYC) */
-                for (int64_t o = 0; o < gb; o += 64) __builtin_prefetch(blk + X8_AHEAD + o, 0, 3);
-#ifdef PI_AVX2
-                const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-                __m256i v[8];
-                x8_unpack(qt, blk, v);
-#endif
                 for (int j = 0; j < rn; j++) {
                     const int64_t xb = (t0 + j) * nb + b;  /* the token's block */
                     const int32_t xs = qt == QT_Q4_0 ? a.s[2 * xb] + a.s[2 * xb + 1] : 0;
-#ifdef PI_AVX2
-                    vacc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(x8_block_avx(qt, v, a.q + xb * QK, xs)),
-                                              _mm256_mul_ps(dw, _mm256_set1_ps(a.d[xb])), vacc[j]);
-#else
                     int32_t d8[8];
                     x8_block_ref(qt, blk, a.q + xb * QK, xs, d8);
                     for (int i = 0; i < 8; i++) acc[j][i] += (float)d8[i] * (h2f(rd16(blk + 2 * i)) * a.d[xb]);
-#endif
                 }
             }
-#ifdef PI_AVX2
-            for (int j = 0; j < rn; j++) _mm256_storeu_ps(acc[j], vacc[j]);
 #endif
             for (int j = 0; j < rn; j++)
                 for (int i = 0; i < 8; i++) y[(t0 + j) * N + 8 * g + i] = acc[j][i];
