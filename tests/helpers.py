@@ -85,3 +85,94 @@ def random_predictors(folder, n_layer, n_embd, n_ff, hidden=(8, 12, 16)):
                              torch.randn(n_ff, hidden[i % len(hidden)], generator=g)) for i in range(n_layer)]
     save_predictor_dir(folder, layers, {"sparse_threshold": 0.25})
     return layers
+
+
+# --------------------------------------------------------------------------- batched decoding (runtime/batch.py)
+def alone(model, prompt, n, token_by_token=False):
+    """(greedy tokens, logits [n, V]) of ``prompt`` decoded by itself through the model's own path
+    (the prompt in one pass, or one token at a time)."""
+    import torch
+
+    from powerinfer.runtime import batch
+
+    cache = batch.new_cache(model, 128)
+    if token_by_token:
+        for i, t in enumerate(prompt[:-1]):
+            batch.prefill(model, cache, [t], i)
+        logits = [batch.prefill(model, cache, prompt[-1:], len(prompt) - 1)]
+    else:
+        logits = [batch.prefill(model, cache, prompt, 0)]
+    toks = [int(logits[-1].argmax())]
+    for i in range(n - 1):
+        logits.append(batch.prefill(model, cache, [toks[-1]], len(prompt) + i))
+        toks.append(int(logits[-1].argmax()))
+    return toks, torch.stack(logits)
+
+
+def batched(model, prompts, n, mode, start=None):
+    """The same through BatchDecoder; sequence ``b`` joins at step ``start[b]`` (continuous batching:
+    the batch grows and shrinks) and stops after ``n`` tokens."""
+    import torch
+
+    from powerinfer.runtime import batch
+
+    dec = batch.BatchDecoder(model, mode)
+    start = start or [0] * len(prompts)
+    caches = [batch.new_cache(model, 128) for _ in prompts]
+    toks, logits = [[] for _ in prompts], [[] for _ in prompts]
+    step = 0
+    while any(len(t) < n for t in toks):
+        run = []
+        for b, p in enumerate(prompts):
+            if step == start[b]:  # joins: its prompt, then its first token comes from the prefill
+                logits[b].append(batch.prefill(model, caches[b], p, 0))
+                toks[b].append(int(logits[b][-1].argmax()))
+            elif start[b] < step and len(toks[b]) < n:
+                run.append(b)
+        if run:
+            out = dec.step([toks[b][-1] for b in run], [caches[b] for b in run],
+                           [len(prompts[b]) + len(toks[b]) - 1 for b in run])
+            for b, lg in zip(run, out):
+                logits[b].append(lg)
+                toks[b].append(int(lg.argmax()))
+        step += 1
+    return toks, [torch.stack(lg) for lg in logits], dec
+
+
+def entries_batched(model, prompts, n, mode, per_step=3):
+    """(greedy tokens, logits [n, V] per sequence, the BatchDecoder) with every prompt evaluated as
+    entries of batched steps too: ``per_step`` tokens of a prompt per step beside the other sequences'
+    decode tokens (a cache appearing several times in a step), then one token per step. Compare with
+    :func:`alone` ``token_by_token=True``."""
+    import torch
+
+    from powerinfer.runtime import batch
+
+    dec = batch.BatchDecoder(model, mode)
+    caches = [batch.new_cache(model, 128) for _ in prompts]
+    done = [0] * len(prompts)
+    toks, logits = [[] for _ in prompts], [[] for _ in prompts]
+    while any(len(t) < n for t in toks):
+        tk, cs, ps, want_i, owner = [], [], [], [], []
+        for b, p in enumerate(prompts):
+            if done[b] < len(p):  # its next (at most) per_step prompt tokens
+                k = min(per_step, len(p) - done[b])
+                tk += p[done[b]:done[b] + k]
+                cs += [caches[b]] * k
+                ps += list(range(done[b], done[b] + k))
+                done[b] += k
+                if done[b] == len(p):
+                    want_i.append(len(tk) - 1)
+                    owner.append(b)
+            elif len(toks[b]) < n:
+                tk.append(toks[b][-1])
+                cs.append(caches[b])
+                ps.append(len(p) + len(toks[b]) - 1)
+                want_i.append(len(tk) - 1)
+                owner.append(b)
+        out = dec.step(tk, cs, ps, want_i)
+        assert out.shape[0] == len(want_i)
+        for b, lg in zip(owner, out):
+            logits[b].append(lg)
+            toks[b].append(int(lg.argmax()))
+    return toks, [torch.stack(lg) for lg in logits], dec

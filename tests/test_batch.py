@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from helpers import random_predictors
+from helpers import alone, batched, entries_batched, random_predictors
 from powerinfer.convert.quantize import quantize_file
 from powerinfer.convert.writer import convert
 from powerinfer.errors import PowerInferError
@@ -36,49 +36,6 @@ def files(tmp_path_factory, relu_hf):
         out[t] = quantize_file(f32, tmp / f"m-{t}.powerinfer.gguf", t).path
     out["dense-q4_0"] = quantize_file(out["dense"], tmp / "m-q4_0.gguf", "q4_0").path
     return out
-
-
-def alone(model, prompt, n, token_by_token=False):
-    """(greedy tokens, logits [n, V]) of ``prompt`` decoded by itself through the model's own path
-    (the prompt in one pass, or one token at a time)."""
-    cache = batch.new_cache(model, 128)
-    if token_by_token:
-        for i, t in enumerate(prompt[:-1]):
-            batch.prefill(model, cache, [t], i)
-        logits = [batch.prefill(model, cache, prompt[-1:], len(prompt) - 1)]
-    else:
-        logits = [batch.prefill(model, cache, prompt, 0)]
-    toks = [int(logits[-1].argmax())]
-    for i in range(n - 1):
-        logits.append(batch.prefill(model, cache, [toks[-1]], len(prompt) + i))
-        toks.append(int(logits[-1].argmax()))
-    return toks, torch.stack(logits)
-
-
-def batched(model, prompts, n, mode, start=None):
-    """The same through BatchDecoder; sequence ``b`` joins at step ``start[b]`` (continuous batching:
-    the batch grows and shrinks) and stops after ``n`` tokens."""
-    dec = batch.BatchDecoder(model, mode)
-    start = start or [0] * len(prompts)
-    caches = [batch.new_cache(model, 128) for _ in prompts]
-    toks, logits = [[] for _ in prompts], [[] for _ in prompts]
-    step = 0
-    while any(len(t) < n for t in toks):
-        run = []
-        for b, p in enumerate(prompts):
-            if step == start[b]:  # joins: its prompt, then its first token comes from the prefill
-                logits[b].append(batch.prefill(model, caches[b], p, 0))
-                toks[b].append(int(logits[b][-1].argmax()))
-            elif start[b] < step and len(toks[b]) < n:
-                run.append(b)
-        if run:
-            out = dec.step([toks[b][-1] for b in run], [caches[b] for b in run],
-                           [len(prompts[b]) + len(toks[b]) - 1 for b in run])
-            for b, lg in zip(run, out):
-                logits[b].append(lg)
-                toks[b].append(int(lg.argmax()))
-        step += 1
-    return toks, [torch.stack(lg) for lg in logits], dec
 
 
 @pytest.mark.parametrize("kind", ["f32", "q4_0", "q8_0", "dense", "dense-q4_0"])
@@ -109,36 +66,10 @@ def test_prompts_as_batch_entries_equal_token_by_token_decoding(files, kind):
     model = Transformer(open_gguf(files[kind]))
     prompts = PROMPTS[:4]
     want = [alone(model, p, 12, token_by_token=True) for p in prompts]
-    dec = batch.BatchDecoder(model, "auto")
-    caches = [batch.new_cache(model, 128) for _ in prompts]
-    done = [0] * len(prompts)
-    toks, logits = [[] for _ in prompts], [[] for _ in prompts]
-    while any(len(t) < 12 for t in toks):
-        tk, cs, ps, want_i, owner = [], [], [], [], []
-        for b, p in enumerate(prompts):
-            if done[b] < len(p):  # its next (at most) 3 prompt tokens
-                n = min(3, len(p) - done[b])
-                tk += p[done[b]:done[b] + n]
-                cs += [caches[b]] * n
-                ps += list(range(done[b], done[b] + n))
-                done[b] += n
-                if done[b] == len(p):
-                    want_i.append(len(tk) - 1)
-                    owner.append(b)
-            elif len(toks[b]) < 12:
-                tk.append(toks[b][-1])
-                cs.append(caches[b])
-                ps.append(len(p) + len(toks[b]) - 1)
-                want_i.append(len(tk) - 1)
-                owner.append(b)
-        out = dec.step(tk, cs, ps, want_i)
-        assert out.shape[0] == len(want_i)
-        for b, lg in zip(owner, out):
-            logits[b].append(lg)
-            toks[b].append(int(lg.argmax()))
+    toks, logits, _ = entries_batched(model, prompts, 12, "auto", per_step=3)
     for b in range(len(prompts)):
         assert toks[b] == want[b][0]
-        assert torch.equal(torch.stack(logits[b]), want[b][1]), b
+        assert torch.equal(logits[b], want[b][1]), b
 
 
 def test_greedy_tokens_differ_between_sequences(files):
