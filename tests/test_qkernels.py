@@ -192,6 +192,20 @@ def test_8_row_groups_equal_row_layout(lib, name, T):
     assert kernels.for_dense_products(make("Q4_0", 60, 256)).layout == "rows"  # not whole groups
 
 
+@pytest.mark.parametrize("T", [1, 3, 8])
+def test_8_row_q8_0_takes_every_int8_weight(lib, T):
+    """A Q8_0 file may hold -128 (ggml's quantizer never writes it, another writer may): the 8-row
+    kernel must multiply it exactly, against negative activations too (a sign trick on the
+    weights' side overflows there), for one token and for tiles of several."""
+    w = make("Q8_0", 64, 256, seed=11)
+    blocks = w.raw.view(64, -1, 34)
+    blocks[:, :, 2::5] = torch.tensor(-128, dtype=torch.int8).view(torch.uint8)  # every fifth weight
+    blocks[:, :, 3::7] = torch.tensor(127, dtype=torch.int8).view(torch.uint8)
+    x = torch.randn(T, 256, generator=torch.Generator().manual_seed(12))
+    assert (w.dequantize() < 0).any() and (x < 0).any()
+    assert close(kernels.linear(x, w.to_x8()), reference(w, x))
+
+
 def test_gate_and_up_of_different_types(lib):
     """A mixed file (gate Q4_0, up Q8_0) decodes with one call per matrix."""
     gate, up = make("Q4_0", 40, 64, seed=11), make("Q8_0", 40, 64, seed=12)

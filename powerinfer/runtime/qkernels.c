@@ -453,21 +453,30 @@ static inline void split(int64_t n, int nt, int t, int64_t *r0, int64_t *r1) {
 typedef struct {
     int8_t *q;
     float *d;
-    int32_t *s;
+    int32_t *s; /* K-quants: the sums of each 16 values */
+    int32_t *o; /* Q4_0: 8 x the sum of each block (the nibbles' offset 8, taken off in the x8 kernel) */
 } acts_t;
 
 static acts_t prepare(int qt, const float *x, int64_t T, int64_t K) {
-    acts_t a = {NULL, NULL, NULL};
+    acts_t a = {NULL, NULL, NULL, NULL};
     if (!uses_q8(qt)) return a;
+    const int64_t nb = K / QK;
     a.q = malloc((size_t)(T * K));
-    a.d = malloc((size_t)(T * (K / QK)) * sizeof(float));
-    for (int64_t t = 0; t < T; t++) quantize_q8(x + t * K, K, a.q + t * K, a.d + t * (K / QK));
-    if (is_k(qt) || qt == QT_Q4_0) {  /* K-quant mins/offsets; Q4_0's offset 8 in the x8 kernel */
+    a.d = malloc((size_t)(T * nb) * sizeof(float));
+    for (int64_t t = 0; t < T; t++) quantize_q8(x + t * K, K, a.q + t * K, a.d + t * nb);
+    if (is_k(qt)) {
         a.s = malloc((size_t)(T * (K / 16)) * sizeof(int32_t));
         for (int64_t i = 0; i < T * (K / 16); i++) {
             int32_t v = 0;
             for (int e = 0; e < 16; e++) v += a.q[i * 16 + e];
             a.s[i] = v;
+        }
+    } else if (qt == QT_Q4_0) {
+        a.o = malloc((size_t)(T * nb) * sizeof(int32_t));
+        for (int64_t i = 0; i < T * nb; i++) {
+            int32_t v = 0;
+            for (int e = 0; e < QK; e++) v += a.q[i * QK + e];
+            a.o[i] = 8 * v;
         }
     }
     return a;
@@ -477,6 +486,7 @@ static void release(acts_t a) {
     free(a.q);
     free(a.d);
     free(a.s);
+    free(a.o);
 }
 
 static inline act_t act_of(const float *x, acts_t b, int64_t t, int64_t K) {
@@ -774,13 +784,14 @@ void pi_q_axpy_rows(int qt, const void *W, const int64_t *idx, const float *coef
  * bytes; chunk c holds bytes 4c..4c+3 of each row's quant bytes (row i at offset 4i).
  * Q4_0 (4 chunks): values 4c..4c+3 in the low nibbles, 16+4c.. in the high ones; the
  *   unsigned nibbles (0..15) meet the broadcast activation bytes in vpmaddubsw and the
- *   offset 8 is taken off once per block as 8 * sum(x block).
- * Q8_0 (8 chunks): signed x signed with the sign trick, each chunk's int16 pairs widened to
- *   int32 at once (two chunks could overflow int16).
+ *   offset 8 is taken off once per block as 8 * sum(x block) (acts_t.o, from prepare).
+ * Q8_0 (8 chunks): |w| (taken once per block, shared by the tile's tokens) meets x * sign(w)
+ *   in vpmaddubsw, exact for every int8 w including -128; each chunk's int16 pairs are
+ *   widened to int32 at once (two chunks could overflow int16).
  * The eight accumulator lanes are the eight rows: no horizontal sums. */
 
 /* sum over the block of row_i . x for the 8 rows of one x8 block (reference maths) */
-static inline void x8_block_ref(int qt, const uint8_t *blk, const int8_t *xb, int32_t xs, int32_t *dot8) {
+static inline void x8_block_ref(int qt, const uint8_t *blk, const int8_t *xb, int32_t xo, int32_t *dot8) {
     for (int i = 0; i < 8; i++) {
         int32_t sdot = 0;
         if (qt == QT_Q4_0) {
@@ -789,7 +800,7 @@ static inline void x8_block_ref(int qt, const uint8_t *blk, const int8_t *xb, in
                     const uint8_t v = blk[16 + 32 * c + 4 * i + e];
                     sdot += (v & 15) * xb[4 * c + e] + (v >> 4) * xb[16 + 4 * c + e];
                 }
-            sdot -= 8 * xs;
+            sdot -= xo;
         } else {
             for (int c = 0; c < 8; c++)
                 for (int e = 0; e < 4; e++) sdot += (int8_t)blk[16 + 32 * c + 4 * i + e] * xb[4 * c + e];
@@ -799,10 +810,10 @@ static inline void x8_block_ref(int qt, const uint8_t *blk, const int8_t *xb, in
 }
 
 #ifdef PI_AVX2
-/* One x8 block's 8 chunk vectors as 32 quant bytes each: Q4_0's 4 chunks give 8 vectors of
- * unsigned nibbles (low nibbles, then high), Q8_0's 8 chunks are used as they are. Vector
- * k pairs with activation bytes 4k..4k+3 in both cases. Unpacked once per block, reused
- * for every token of the tile. */
+/* One x8 block's 8 chunk vectors as 32 unsigned bytes each: Q4_0's 4 chunks give 8 vectors of
+ * nibbles (low nibbles, then high), Q8_0's 8 chunks their magnitudes |w|. Vector k pairs with
+ * activation bytes 4k..4k+3 in both cases. Unpacked once per block, reused for every token of
+ * the tile. */
 static inline __attribute__((always_inline)) void x8_unpack(int qt, const uint8_t *blk, __m256i *v) {
     if (qt == QT_Q4_0) {
         const __m256i m4 = _mm256_set1_epi8(0x0f);
@@ -812,7 +823,7 @@ static inline __attribute__((always_inline)) void x8_unpack(int qt, const uint8_
             v[4 + c] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
         }
     } else {
-        for (int c = 0; c < 8; c++) v[c] = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+        for (int c = 0; c < 8; c++) v[c] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c)));
     }
 }
 
@@ -824,21 +835,22 @@ static inline int32_t ld32(const int8_t *p) {
     return v;
 }
 
-/* the eight rows' integer sums for one token's block, as int32 lanes */
-static inline __attribute__((always_inline)) __m256i x8_block_avx(int qt, const __m256i *v, const int8_t *xb,
-                                                                  int32_t xs) {
+/* the eight rows' integer sums for one token's block, as int32 lanes (v: x8_unpack's vectors of
+ * the block blk; xo: Q4_0's offset for this token's block) */
+static inline __attribute__((always_inline)) __m256i x8_block_avx(int qt, const __m256i *v, const uint8_t *blk,
+                                                                  const int8_t *xb, int32_t xo) {
     const __m256i ones = _mm256_set1_epi16(1);
     if (qt == QT_Q4_0) {  /* |each pair| <= 2 * 15 * 127, eight of them <= 30480: no int16 overflow */
         __m256i s16 = _mm256_maddubs_epi16(v[0], _mm256_set1_epi32(ld32(xb)));
         for (int k = 1; k < 8; k++)
             s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(v[k], _mm256_set1_epi32(ld32(xb + 4 * k))));
-        return _mm256_sub_epi32(_mm256_madd_epi16(s16, ones), _mm256_set1_epi32(8 * xs));
+        return _mm256_sub_epi32(_mm256_madd_epi16(s16, ones), _mm256_set1_epi32(xo));
     }
     __m256i s32 = _mm256_setzero_si256();
-    for (int k = 0; k < 8; k++) {
-        const __m256i xv = _mm256_set1_epi32(ld32(xb + 4 * k));
-        s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv),
-                                                                           _mm256_sign_epi8(v[k], xv)), ones));
+    for (int k = 0; k < 8; k++) {  /* x * sign(w): |x| <= 127, no overflow */
+        const __m256i xw = _mm256_sign_epi8(_mm256_set1_epi32(ld32(xb + 4 * k)),
+                                            _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * k)));
+        s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(_mm256_maddubs_epi16(v[k], xw), ones));
     }
     return s32;
 }
@@ -861,8 +873,8 @@ static inline __attribute__((always_inline)) void x8_tile(int qt, const uint8_t 
 #pragma GCC unroll 4
         for (int j = 0; j < rn; j++) {
             const int64_t xb = (t0 + j) * nb + b;  /* the token's block */
-            const int32_t xs = qt == QT_Q4_0 ? a.s[2 * xb] + a.s[2 * xb + 1] : 0;
-            vacc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(x8_block_avx(qt, v, a.q + xb * QK, xs)),
+            vacc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(x8_block_avx(qt, v, blk, a.q + xb * QK,
+                                                                      qt == QT_Q4_0 ? a.o[xb] : 0)),
                                       _mm256_mul_ps(dw, _mm256_set1_ps(a.d[xb])), vacc[j]);
         }
     }
@@ -897,9 +909,8 @@ static inline __attribute__((always_inline)) void x8_range_t(int qt, const uint8
                 const uint8_t *blk = base + b * gb;
                 for (int j = 0; j < rn; j++) {
                     const int64_t xb = (t0 + j) * nb + b;  /* the token's block */
-                    const int32_t xs = qt == QT_Q4_0 ? a.s[2 * xb] + a.s[2 * xb + 1] : 0;
                     int32_t d8[8];
-                    x8_block_ref(qt, blk, a.q + xb * QK, xs, d8);
+                    x8_block_ref(qt, blk, a.q + xb * QK, qt == QT_Q4_0 ? a.o[xb] : 0, d8);
                     for (int i = 0; i < 8; i++) acc[j][i] += (float)d8[i] * (h2f(rd16(blk + 2 * i)) * a.d[xb]);
                 }
             }
