@@ -142,15 +142,41 @@ static inline void dot4_q0(int qt, const uint8_t *const *rows, const int8_t *xq,
 #endif
 
 /* ------------------------------------------------------------------ activation quantization */
-/* x [K] f32 -> qs [K] int8, d [K/32] f32 (K a multiple of 32). */
+/* x [K] f32 -> qs [K] int8, d [K/32] f32 (K a multiple of 32). The AVX2 path gives the
+ * scalar path's bytes: the block maximum is exact, the scale is the same fp32 division, and
+ * vroundps rounds half to even as nearbyintf does in the default rounding mode. */
 static void quantize_q8(const float *x, int64_t K, int8_t *qs, float *d) {
     for (int64_t b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
+#ifdef PI_AVX2
+        const __m256 sign = _mm256_set1_ps(-0.f);
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(xb + 8 * j);
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float amax = _mm_cvtss_f32(h);
+        const float db = amax / 127.f, id = db != 0.f ? 1.f / db : 0.f;
+        d[b] = db;
+        const __m256 vid = _mm256_set1_ps(id);
+        __m256i i32[4];
+        for (int j = 0; j < 4; j++)
+            i32[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        /* int32 -> int8 (|q| <= 127: the packs do not saturate); packs work per 128-bit lane */
+        const __m256i p16 = _mm256_packs_epi32(i32[0], i32[1]), q16 = _mm256_packs_epi32(i32[2], i32[3]);
+        const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16, q16),
+                                                        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(qs + b * QK), p8);
+#else
         float amax = 0.f;
         for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
         const float db = amax / 127.f, id = db != 0.f ? 1.f / db : 0.f;
         d[b] = db;
         for (int j = 0; j < QK; j++) qs[b * QK + j] = (int8_t)nearbyintf(xb[j] * id);
+#endif
     }
 }
 
