@@ -9,8 +9,10 @@ steps with the FFNs as per-sequence one-call rows and as union rows, the two mod
 alternating ``--rounds`` times (medians). It prints per mode the FFN milliseconds per step
 (all layers), the whole step's milliseconds, the aggregate tokens/s (``B`` / step), and the
 union's size against the sum of the sequences' predicted-active sets (the rows a union step
-reads against the rows the per-sequence steps read). Also checks that both modes give the
-same tokens (they give the same logits bit for bit).
+reads against the rows the per-sequence steps read), and where each step's time goes: the
+dense products (QKV, attention output, output head), the predictors, the FFN rows, attention over
+the caches, the rest. Also checks that both modes give the same tokens (they give the same logits
+bit for bit).
 """
 from __future__ import annotations
 
@@ -33,12 +35,15 @@ TEXT = ROOT / "tests" / "data" / "text" / "tinystories_sample.txt"
 
 
 def run(model, dec: batch.BatchDecoder, prompts, steps: int):
-    """(seconds per step, FFN seconds per step, the tokens of every step) over ``steps`` steps."""
+    """(seconds per step, FFN seconds per step, the tokens of every step, {part: seconds per step})
+    over ``steps`` steps; the parts: dense products (QKV, attention output, output head), predictors,
+    FFN rows (FFN less predictors), attention over the caches."""
     caches = [batch.new_cache(model, 512) for _ in prompts]
     toks = [int(batch.prefill(model, c, p, 0).argmax()) for c, p in zip(caches, prompts)]
     pos = [len(p) for p in prompts]
     out = [list(toks)]
     f0 = dec.stats["t_union"] + dec.stats["t_per-seq"]
+    d0, a0, p0 = dec.stats["t_dense"], dec.stats["t_attend"], sum(layer.ffn.t_predict for layer in model.layers)
     t0 = time.perf_counter()
     for _ in range(steps):
         lg = dec.step(toks, caches, pos)
@@ -47,7 +52,11 @@ def run(model, dec: batch.BatchDecoder, prompts, steps: int):
         out.append(toks)
     dt = time.perf_counter() - t0
     ffn = dec.stats["t_union"] + dec.stats["t_per-seq"] - f0
-    return dt / steps, ffn / steps, out
+    pred = sum(layer.ffn.t_predict for layer in model.layers) - p0
+    parts = {"dense": dec.stats["t_dense"] - d0, "predictors": pred, "FFN rows": ffn - pred,
+             "attention": dec.stats["t_attend"] - a0}
+    parts["rest"] = dt - sum(parts.values())
+    return dt / steps, ffn / steps, out, {k: v / steps for k, v in parts.items()}
 
 
 def union_share(model, prompts) -> tuple[float, float]:
@@ -101,20 +110,28 @@ def main() -> None:
         modes = ["per-seq", "union"] if B > 1 else ["per-seq"]
         for r in range(args.rounds):
             for mode in modes if r % 2 == 0 else modes[::-1]:
-                step, ffn, out = run(model, batch.BatchDecoder(model, mode), prompts, args.steps)
-                res[mode].append((step, ffn))
+                step, ffn, out, parts = run(model, batch.BatchDecoder(model, mode), prompts, args.steps)
+                res[mode].append((step, ffn, parts))
                 toks[mode] = out
         same = len({str(v) for v in toks.values()}) == 1
         for mode in modes:
-            step = statistics.median(s for s, _ in res[mode])
-            ffn = statistics.median(f for _, f in res[mode])
-            rows.append((B, mode, ffn * 1e3, step * 1e3, B / step, us, ss, same))
+            step = statistics.median(s for s, _, _ in res[mode])
+            ffn = statistics.median(f for _, f, _ in res[mode])
+            parts = {k: statistics.median(p[k] for _, _, p in res[mode]) for k in res[mode][0][2]}
+            rows.append((B, mode, ffn * 1e3, step * 1e3, B / step, us, ss, same, parts))
             print(f"B={B} {mode:8s}: FFN {ffn * 1e3:7.1f} ms/step, step {step * 1e3:7.1f} ms, {B / step:6.2f} tok/s, "
                   f"union {us:.1%} of n_ff vs summed {ss:.1%}, same tokens: {same}", flush=True)
     print("\n| B | FFN mode | FFN ms/step | step ms | aggregate tok/s | union rows | summed rows |")
     print("|---|---|---|---|---|---|---|")
-    for B, mode, f, s, tps, us, ss, _ in rows:
+    for B, mode, f, s, tps, us, ss, _, _ in rows:
         print(f"| {B} | {mode} | {f:.1f} | {s:.1f} | {tps:.2f} | {us:.1%} | {ss:.1%} |")
+    names = list(rows[0][8])
+    print("\nWhere a step's time goes (ms per step; dense: QKV, attention output and output head for the "
+          "whole batch; rest: embedding, norms, residuals, Python):")
+    print("| B | FFN mode | " + " | ".join(names) + " |")
+    print("|---|---|" + "---|" * len(names))
+    for B, mode, *_, parts in rows:
+        print(f"| {B} | {mode} | " + " | ".join(f"{parts[k] * 1e3:.1f}" for k in names) + " |")
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

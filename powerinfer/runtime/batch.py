@@ -118,7 +118,10 @@ class BatchDecoder:
     """Decodes one token for each of several sequences of ``model`` per :meth:`step`.
 
     ``ffn_mode``: ``auto`` (union rows from :data:`UNION_MIN_BATCH` sequences on), ``union`` or
-    ``per-seq``. ``stats`` counts the FFN calls taken each way and their seconds.
+    ``per-seq``. ``stats`` counts the FFN calls taken each way and their seconds (``t_union``,
+    ``t_per-seq``, predictors included), and the seconds of the dense products (``t_dense``: QKV,
+    attention output and the output head, for the whole batch) and of the per-sequence attention
+    over the caches (``t_attend``: RoPE, cache writes, one query each).
     """
 
     def __init__(self, model: Transformer, ffn_mode: str = "auto"):
@@ -126,7 +129,7 @@ class BatchDecoder:
             raise ValueError(f"ffn_mode {ffn_mode!r}: expected one of {', '.join(FFN_MODES)}")
         check_batchable(model)
         self.model, self.ffn_mode = model, ffn_mode
-        self.stats = {"union": 0, "per-seq": 0, "t_union": 0.0, "t_per-seq": 0.0}
+        self.stats = {"union": 0, "per-seq": 0, "t_union": 0.0, "t_per-seq": 0.0, "t_dense": 0.0, "t_attend": 0.0}
 
     # ------------------------------------------------------------------ one step
     def step(self, tokens: Sequence[int], caches: Sequence[KVCache], positions: Sequence[int],
@@ -158,7 +161,7 @@ class BatchDecoder:
                 x = self._block(i, layer, x, caches, positions)
             if logits_for is not None:
                 x = x[torch.tensor(list(logits_for), dtype=torch.long)]
-            return blinear(m.output_norm(x), m.output).float()
+            return self._dense(m.output_norm(x), m.output).float()
 
     def _block(self, i: int, layer: Layer, x, caches, positions) -> torch.Tensor:
         if self.model.args.family.parallel_attn:
@@ -171,7 +174,8 @@ class BatchDecoder:
     def _attention(self, i: int, layer: Layer, x: torch.Tensor, caches, positions) -> torch.Tensor:
         m = self.model
         a, hd = m.args, m.args.head_dim
-        qkv = blinear(x, layer.wqkv, layer.bqkv)  # [B, (Hq + 2Hkv) d]: every sequence's QKV from one read
+        qkv = self._dense(x, layer.wqkv, layer.bqkv)  # [B, (Hq + 2Hkv) d]: every sequence's QKV from one read
+        t0 = time.perf_counter()
         q, k, v = qkv.split([a.n_head * hd, a.n_head_kv * hd, a.n_head_kv * hd], dim=-1)
         W, B = a.sliding_window, x.shape[0]
         q, k, v = q.reshape(B, a.n_head, hd), k.reshape(B, a.n_head_kv, hd), v.reshape(B, a.n_head_kv, hd)
@@ -188,7 +192,15 @@ class BatchDecoder:
             ck, cv = cache.layer(i)
             k0 = max(0, pos + 1 - W) if W else 0
             out.append(attend_one(q[b], ck[k0:pos + 1], cv[k0:pos + 1]).reshape(a.n_head * hd))
-        return blinear(torch.stack(out), layer.wo, layer.bo)
+        out = torch.stack(out)
+        self.stats["t_attend"] += time.perf_counter() - t0
+        return self._dense(out, layer.wo, layer.bo)
+
+    def _dense(self, x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+        t0 = time.perf_counter()
+        y = blinear(x, w, b)
+        self.stats["t_dense"] += time.perf_counter() - t0
+        return y
 
     # ------------------------------------------------------------------ FFN
     def union_ok(self, layer: Layer, B: int) -> bool:
