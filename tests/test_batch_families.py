@@ -10,8 +10,8 @@ FFN needs quantized weights on the C kernels, :meth:`BatchDecoder.union_ok`):
   and than the positions decoded;
 * ``falcon``: Falcon-40B's layout: parallel attention with two layernorms, GQA 8:2, ReLU without gate;
 * ``falcon_7b``: Falcon-7B's layout: parallel attention with one shared layernorm, multi-query;
-* ``opt``: learned positions (row ``p + 2``), biases everywhere, ReLU without gate. The union FFN
-  takes no biases, so OPT's FFN runs per sequence whatever the mode (asserted).
+* ``opt``: learned positions (row ``p + 2``), biases everywhere, ReLU without gate: the union FFN
+  adds the up and down biases to each token's own rows.
 """
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ from powerinfer.runtime import kernels
 from powerinfer.runtime.model import Transformer
 
 FAMILIES = ["relu_llama", "prosparse", "bamboo", "falcon", "falcon_7b", "opt"]
-NO_UNION = {"opt"}  # FFN biases: the union kernels take none, the decoder runs each sequence's FFN
 # ids below every test model's vocabulary (384 for the byte-level BPE of Falcon and OPT); the
 # first prompt is longer than Bamboo's window, so its prefill and every decode step is windowed
 PROMPTS = [[1, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110], [1, 200, 201], [1, 300, 5, 6, 7, 8], [1, 42]]
@@ -101,7 +100,7 @@ def test_family_batch_logits_equal_each_sequence_alone(fam, mode):
         assert torch.equal(logits[b], want[b][1]), f"sequence {b}: max diff {(logits[b] - want[b][1]).abs().max()}"
     sizes = _sizes(START, N)
     assert max(sizes) == len(PROMPTS) and sizes[-1] == 1
-    if mode == "union" and fam.name not in NO_UNION:
+    if mode == "union":
         if kernels.backend() != "c":
             pytest.skip("union rows need the C kernels")
         assert all(dec.mode_for(layer, 2) == "union" for layer in model.layers)
@@ -122,9 +121,7 @@ def test_family_prompts_as_batch_entries_equal_token_by_token_decoding(fam):
     for b in range(len(PROMPTS)):
         assert toks[b] == want[b][0], f"sequence {b}"
         assert torch.equal(logits[b], want[b][1]), f"sequence {b}: max diff {(logits[b] - want[b][1]).abs().max()}"
-    if fam.name in NO_UNION:
-        assert dec.stats["union"] == 0
-    elif kernels.backend() == "c":
+    if kernels.backend() == "c":
         assert dec.stats["union"] > 0
 
 

@@ -103,6 +103,18 @@ def _shared(w) -> bool:
             and (w.layout == "x8" or kernels._q_c_ok(w)))
 
 
+def _rows_ok(f) -> bool:
+    """The C row kernels take ``f``'s sparse rows as the one-call decode does (same types and
+    layouts, the family's FFN kind and activation); FFN biases (OPT) are allowed: the union adds
+    them per row as :meth:`FFN.rows <powerinfer.runtime.ffn.FFN.rows>` does for one token."""
+    if f.fused() is not None:
+        return True
+    if all(b is None for b in (f.gate_b, f.up_b, f.down_b)):
+        return False
+    return kernels.SparseFFNCall.make(f.family.ffn, f.act.kind, f.act.threshold or 0.0, f.gate_min, f.threshold,
+                                      f.fc1, f.fc2, f.gate, f.up, f.down_t, False) is not None
+
+
 def blinear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`kernels.linear` on ``[B, K]``: one call per :data:`kernels.QGEMM_MAX_T` rows (weights read
     once per call) where that gives each row its one-token numbers, else row by row."""
@@ -208,7 +220,7 @@ class BatchDecoder:
         quantized type, the one-call decode's conditions, predictors batchable)."""
         f = layer.ffn
         return (self.model.mask_fn is None and f.sparse and not self.model.dense and 1 < B <= kernels.QGEMM_MAX_T
-                and f.fused() is not None and _shared(f.fc1) and _shared(f.fc2))
+                and _rows_ok(f) and _shared(f.fc1) and _shared(f.fc2))
 
     def mode_for(self, layer: Layer, B: int) -> str:
         """``union`` or ``per-seq`` for this layer's FFN at batch size ``B``."""
@@ -255,10 +267,14 @@ class BatchDecoder:
             g, u = kernels.rows_dot_multi(xn, idx, sel, f.gate, f.up, f.gate_min)
         else:
             g, u = None, kernels.rows_dot_multi(xn, idx, sel, f.up)[0]
+        if f.gate_b is not None:  # biases (OPT) on each token's own rows, as FFN.rows adds them;
+            g = torch.where(sel, g + f.gate_b[idx], 0.0)  # the rows a token did not select stay 0
+        if f.up_b is not None:
+            u = torch.where(sel, u + f.up_b[idx], 0.0)
         hidden = f.family.combine(f.act, g, u)  # the family's rule, as FFN.rows applies it
-        out = kernels.rows_axpy_multi(idx, f.down_t, hidden, AXPY_CHUNK)
+        out = kernels.rows_axpy_multi(idx, f.down_t, hidden, AXPY_CHUNK).to(xn.dtype)
         f.n_calls += h.shape[0]
         f.n_active += int(sel.sum())
         f.t_ffn += time.perf_counter() - t0
-        return out.to(xn.dtype)
+        return out if f.down_b is None else out + f.down_b
 
