@@ -116,6 +116,26 @@ def test_threaded_decode_attention_equals_sdpa(threaded, dtype, n_head, n_head_k
     assert torch.equal(got, threaded(lambda: kernels.attend_one(q, k, v)))  # heads split whole
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_decode_attention_equals_one_query_at_a_time(threaded, dtype):
+    """attend_many: several queries, each against its own cache span (two caches, spans of
+    different lengths and starts, GQA), give each query exactly attend_one's numbers, on one
+    thread and several; an empty batch and spans the C kernel cannot read take the per-query path."""
+    g = torch.Generator().manual_seed(3)
+    caches = [tuple(torch.randn(300, 4, 64, generator=g).to(dtype) for _ in range(2)) for _ in range(2)]
+    spans = [(0, 0, 1), (0, 0, 90), (1, 5, 250), (0, 40, 41), (1, 0, 300), (0, 0, 91)]  # (cache, first, end)
+    q = torch.randn(len(spans), 16, 64, generator=g).to(dtype)
+    ks = [caches[c][0][a:b] for c, a, b in spans]
+    vs = [caches[c][1][a:b] for c, a, b in spans]
+    want = torch.stack([kernels.attend_one(q[i], k, v) for i, (k, v) in enumerate(zip(ks, vs))])
+    got = kernels.attend_many(q, ks, vs)
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert torch.equal(threaded(lambda: kernels.attend_many(q, ks, vs)), want)
+    assert kernels.attend_many(q[:0], [], []).shape == (0, 16, 64)
+    odd = [k.transpose(1, 2).contiguous().transpose(1, 2) for k in ks]  # same values, another layout
+    assert torch.allclose(kernels.attend_many(q, odd, vs).float(), want.float(), rtol=1e-2, atol=1e-3)
+
+
 # ---------------------------------------------------------------------------- quantized
 QTYPES = ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "F16"]
 

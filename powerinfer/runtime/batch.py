@@ -8,7 +8,8 @@ Transformer's layers once over ``x`` ``[B, D]``:
   in one kernel call, so each weight is read once per step, not once per sequence
   (``pi_x8_gemm``/``pi_q_gemm`` tiles of several tokens);
 * attention is per sequence: RoPE at its own position, its keys and values written to its
-  own cache, one query against its own ``0..pos`` (:func:`kernels.attend_one`);
+  own cache, one query against its own ``0..pos`` (:func:`kernels.attend_many`: all of the step's
+  queries in one call, each with :func:`kernels.attend_one`'s numbers);
 * the sparse FFN runs either **per sequence** (the one-call decode of each token,
   ``sparse_ffn.c``: each reads its own predicted-active rows) or over the **union** of the
   ``B`` tokens' predicted-active neurons (each row of the union read once and dotted with every
@@ -40,7 +41,7 @@ import torch
 from ..errors import PowerInferError
 from ..quant.qweight import QWeight
 from . import kernels
-from .kernels import attend_one, embed, linear
+from .kernels import attend_many, embed, linear
 from .model import KVCache, Layer, Transformer
 
 # Union rows from this batch size on, per-sequence rows below it (measured with
@@ -199,12 +200,13 @@ class BatchDecoder:
             ck, cv = cache.layer(i)
             ck[pos] = k[b]
             cv[pos] = v[b]
-        out = []
-        for b, (cache, pos) in enumerate(zip(caches, positions)):  # then one query each against its cache
+        ks, vs = [], []
+        for cache, pos in zip(caches, positions):  # then one query each against its cache, in one call
             ck, cv = cache.layer(i)
             k0 = max(0, pos + 1 - W) if W else 0
-            out.append(attend_one(q[b], ck[k0:pos + 1], cv[k0:pos + 1]).reshape(a.n_head * hd))
-        out = torch.stack(out)
+            ks.append(ck[k0:pos + 1])
+            vs.append(cv[k0:pos + 1])
+        out = attend_many(q, ks, vs).reshape(B, a.n_head * hd)
         self.stats["t_attend"] += time.perf_counter() - t0
         return self._dense(out, layer.wo, layer.bo)
 

@@ -248,6 +248,31 @@ static void attend_any(int dt, const char *q, const char *K, const char *V, int6
     else attend_heads(0, q, K, V, S, Hq, Hkv, d, ps, scale, scores, out, h0, h1);
 }
 
+/* n queries of a batch, each against its own KV cache (decode attention of several sequences, or
+ * of several positions of one): q [n, Hq, d] of type dt; Ks[i], Vs[i]: entry i's first visible
+ * position, S[i] positions from there, position stride ps elements (as pi_attend_one); scores:
+ * scratch [n, Hq, Smax] f32; out [n, Hq, d] f32. Entry i gets exactly pi_attend_one's numbers
+ * (each head is computed alone, whichever thread takes it); one call shares the threads over
+ * every (entry, head) pair instead of one small parallel region per entry. */
+void pi_attend_many(int dt, int64_t n, const void *q, const void *const *Ks, const void *const *Vs, const int64_t *S,
+                    int64_t Smax, int64_t Hq, int64_t Hkv, int64_t d, int64_t ps, float scale, float *scores,
+                    float *out) {
+    const int es = dt == 1 ? 2 : 4;
+    int64_t work = 0;
+    for (int64_t i = 0; i < n; i++) work += S[i];
+    const int par = work * Hq * d >= PAR_MIN / 4 && omp_get_max_threads() > 1;
+    #pragma omp parallel if (par)
+    {
+        int64_t u0, u1;
+        split(n * Hq, omp_get_num_threads(), omp_get_thread_num(), &u0, &u1);
+        for (int64_t i = u0 / Hq; i < n && i * Hq < u1; i++) {
+            const int64_t h0 = u0 > i * Hq ? u0 - i * Hq : 0, h1 = u1 < (i + 1) * Hq ? u1 - i * Hq : Hq;
+            attend_any(dt, (const char *)q + i * Hq * d * es, (const char *)Ks[i], (const char *)Vs[i], S[i], Hq, Hkv,
+                       d, ps, scale, scores + i * Hq * Smax, out + i * Hq * d, h0, h1);
+        }
+    }
+}
+
 void pi_attend_one(int dt, const void *q, const void *K, const void *V, int64_t S, int64_t Hq, int64_t Hkv,
                    int64_t d, int64_t ps, float scale, float *scores, float *out) {
     if (Hq * S * d < PAR_MIN / 4 || omp_get_max_threads() == 1) {

@@ -115,6 +115,8 @@ def _build(native: bool = True) -> ctypes.CDLL:
     lib.pi_axpy_rows.restype = None
     lib.pi_attend_one.argtypes = [C, P, P, P, I, I, I, I, I, ctypes.c_float, P, P]
     lib.pi_attend_one.restype = None
+    lib.pi_attend_many.argtypes = [C, I, P, P, P, P, I, I, I, I, I, ctypes.c_float, P, P]
+    lib.pi_attend_many.restype = None
     F32 = ctypes.c_float
     lib.pi_q_gemm.argtypes = [C, P, I, I, P, I, P]
     lib.pi_q_dot_rows.argtypes = [C, P, P, P, I, I, P, P, P, F32]
@@ -449,6 +451,29 @@ class SparseFFNCall:
             out.data_ptr(), self.idx.data_ptr(), self.buf.data_ptr(), ctypes.byref(self._n_fired),
             ctypes.byref(self._t_pred))
         return out, int(k), self._n_fired.value, self._t_pred.value
+
+
+def attend_many(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
+    """:func:`attend_one` for ``n`` queries at once, each against its own cache span: ``q``
+    ``[n, Hq, d]``, ``ks[i]``, ``vs[i]`` ``[S_i, Hkv, d]`` -> ``[n, Hq, d]`` in ``q``'s dtype. Entry
+    ``i`` gets exactly ``attend_one(q[i], ks[i], vs[i])``; one C call for all of them where every
+    span is a C-readable cache view of one position stride, else one :func:`attend_one` each."""
+    n, Hq, d = q.shape
+    if n and _c_ok() and all(k.dtype in _DT and k.dtype == ks[0].dtype and v.dtype == k.dtype
+                             and k.stride() == v.stride() == ks[0].stride() and k.stride(2) == 1
+                             and k.stride(1) == d and k.shape[0] > 0 for k, v in zip(ks, vs)):
+        dt, Hkv = ks[0].dtype, ks[0].shape[1]
+        qw = q.to(dt).contiguous()
+        S = torch.tensor([k.shape[0] for k in ks], dtype=torch.int64)
+        kp = torch.tensor([k.data_ptr() for k in ks], dtype=torch.int64)
+        vp = torch.tensor([v.data_ptr() for v in vs], dtype=torch.int64)
+        smax = int(S.max())
+        scores = torch.empty(n, Hq, smax, dtype=torch.float32)
+        out = torch.empty(n, Hq, d, dtype=torch.float32)
+        _state["lib"].pi_attend_many(_DT[dt], n, qw.data_ptr(), kp.data_ptr(), vp.data_ptr(), S.data_ptr(), smax,
+                                     Hq, Hkv, d, ks[0].stride(0), d ** -0.5, scores.data_ptr(), out.data_ptr())
+        return out.to(q.dtype)
+    return torch.stack([attend_one(q[i], k, v) for i, (k, v) in enumerate(zip(ks, vs))]) if n else q.clone()
 
 
 def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
