@@ -35,8 +35,10 @@ layers), which would time nothing: OUT/profile-work and OUT/predictor-work are
 therefore deleted before their stage unless ``--reuse``, and a run claims OUT with
 ``OUT/.bench_calibration.pid`` (a second run on the same OUT is refused). Timings need the cores to
 themselves (see benchmarks/README.md); the load average is printed before each stage.
+``tests/data/text/wiki.test.raw`` is the WikiText-2 raw test split, bundled with the
+repository (source, licence and sha256 in ``tests/data/README.md``).
 
-    python benchmarks/bench_calibration.py out/full7b --data ../shared/data/wikitext-2-raw/wiki.test.raw \\
+    python benchmarks/bench_calibration.py out/full7b --data tests/data/text/wiki.test.raw \\
         --max-tokens 2048 --heldout-tokens 512 --epochs 3 --threads 2 --out out/calib-7b --json out/calib-7b/bench.json
     python benchmarks/bench_calibration.py powerinfer/assets/stories260K-relu \\
         --data powerinfer/assets/calibration.txt --max-tokens 2048        # a smoke run

@@ -313,7 +313,7 @@ def prepare_demo(out: Path) -> tuple[Path, Path, Path, str]:
     out.mkdir(parents=True, exist_ok=True)
     hf = out / "stories260K-relu-raw"
     if not hf.is_dir():
-        shutil.copytree(ROOT.parent / "shared" / "models" / "stories260K" / "hf", hf)
+        shutil.copytree(ROOT / "tests" / "data" / "stories260K" / "hf", hf)
         for p in hf.iterdir():
             p.chmod(0o644)
         cfg = json.loads((hf / "config.json").read_text())
@@ -322,7 +322,7 @@ def prepare_demo(out: Path) -> tuple[Path, Path, Path, str]:
     pred = out / "predictor"
     how = "stories260K with ReLU (not fine-tuned), predictors from pi-train-predictor"
     if not pred.is_dir():
-        data = ROOT.parent / "shared" / "data" / "tinystories" / "tinystories_sample.txt"
+        data = ROOT / "tests" / "data" / "text" / "tinystories_sample.txt"
         r = subprocess.run(["pi-train-predictor", str(hf), "--data", str(data), "--out", str(pred),
                             "--max-tokens", "16384"], capture_output=True, text=True)
         if r.returncode != 0:  # the all-active trick from the tests: sparse path, every neuron computed

@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "powerinfer/assets/stories260K-relu"
 CALIB = ROOT / "powerinfer/assets/calibration.txt"
-HELDOUT = ROOT.parent / "shared/data/tinystories/tinystories_val.txt"
+HELDOUT = ROOT / "tests/data/text/tinystories_val.txt"
 
 
 def run(cmd: list[str]) -> str:

@@ -19,7 +19,8 @@ weights in the CPU's compute dtype, f32 or bf16, so its MB are not the GPU's f16
     python benchmarks/gpu_check.py                  # on the GPU machine (out/bench is built if missing)
     python benchmarks/gpu_check.py --smoke          # anywhere: checks the script itself
 
-Needs ``../shared`` (the Llama-2 tokenizer and TinyStories text) to build the model.
+The model is built from files in the repository: the Llama-2 tokenizer in
+``tests/data/tokenizers/llama2`` and the TinyStories text ``tests/data/text/tinystories_sample.txt``.
 """
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 Writes, under OUT (default ``out/bench/``; never committed), with
 :func:`powerinfer.synthetic.build_designed_model` (its docstring describes the predictor
-design): ``hf/`` (random f16 weights + the Llama-2 SentencePiece tokenizer, vocab 32000),
+design): ``hf/`` (random f16 weights + the Llama-2 SentencePiece tokenizer, vocab 32000,
+from ``tests/data/tokenizers/llama2``; predictors designed on ``tests/data/text/tinystories_sample.txt``),
 ``predictor/`` (about ``--active`` of the FFN neurons predicted active per token, the hottest
 10% carrying ``--top10`` of the activations), ``activation/``, ``bench.powerinfer.gguf`` (PWRI,
 f16) and ``bench.gguf`` (dense f16 for llama.cpp), and ``bench.json``.
@@ -23,9 +24,9 @@ sys.path.insert(0, str(ROOT))
 
 from powerinfer.synthetic import Shape, build_designed_model  # noqa: E402
 
-SHARED = ROOT.parent / "shared"
-TOKENIZER = SHARED / "tokenizers" / "llama2"
-TEXT = SHARED / "data" / "tinystories" / "tinystories_sample.txt"
+DATA = ROOT / "tests" / "data"  # bundled with the repository: sources, licences, sha256 in its README.md
+TOKENIZER = DATA / "tokenizers" / "llama2"
+TEXT = DATA / "text" / "tinystories_sample.txt"
 
 def main(argv: list[str] | None = None) -> None:
     d = Shape()

@@ -12,7 +12,7 @@ for benchmarking them (``bench_calibration.py``) without a download:
   ``save_pretrained`` uses, cut greedily into shards of at most ``--shard-gb`` GB
   (10^9 bytes) as huggingface_hub does; ~13.5 GB in 7 shards by default;
 * ``tokenizer.model`` + ``tokenizer_config.json``: the Llama-2 SentencePiece tokenizer
-  (from ``shared/tokenizers/llama2``, as ``make_bench_model.py`` copies).
+  (from ``tests/data/tokenizers/llama2``, as ``make_bench_model.py`` copies).
 
 The model is never built in memory: each tensor is drawn in row blocks and written
 straight into its shard file (the safetensors header is known up front from the
@@ -44,8 +44,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
-TOKENIZER = SHARED / "tokenizers" / "llama2"
+TOKENIZER = ROOT / "tests" / "data" / "tokenizers" / "llama2"
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json")
 INDEX = "model.safetensors.index.json"
 BYTES = 2  # bf16

@@ -27,9 +27,9 @@ from powerinfer.formats.gguf_file import open_gguf
 from powerinfer.runtime.model import Transformer
 from powerinfer.runtime.tokenizer import GGUFTokenizer
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-MODEL = SHARED / "models" / "stories260K" / "stories260K.ggml-org.gguf"
-TEXTS = [SHARED / "data" / "tinystories" / "tinystories_val.txt", SHARED / "data" / "wikitext-2-raw" / "wiki.test.raw"]
+DATA = Path(__file__).resolve().parents[1] / "tests" / "data"  # bundled: sources, licences, sha256 in its README.md
+MODEL = DATA / "stories260K" / "stories260K.ggml-org.gguf"
+TEXTS = [DATA / "text" / "tinystories_val.txt", DATA / "text" / "wiki.test.raw"]
 
 
 def llama_cpp_ppl(llm, chunks: list[list[int]]) -> tuple[float, float]:

@@ -79,12 +79,18 @@ predictor training.
 
 Example (the command that produced ``powerinfer/assets/stories260K-relu``)::
 
-    python recipes/relufy.py --base ../shared/models/stories260K/hf \\
-        --data ../shared/data/tinystories/tinystories_val.txt \\
+    python recipes/relufy.py --base tests/data/stories260K/hf \\
+        --data tests/data/text/tinystories_val.txt \\
         --out powerinfer/assets/stories260K-relu \\
         --steps 2400 --l1-max 7 --l1-ramp 0.6 --kl-weight 1 --kl-temp 1 --lr 2e-3 \\
         --seed 1234 --threads 2 \\
         --calibration-out powerinfer/assets/calibration.txt
+
+``tests/data/stories260K/hf`` is Karpathy's stories260K (karpathy/tinyllamas, llama2.c) in
+Hugging Face layout and ``tests/data/text/tinystories_val.txt`` the start of TinyStories'
+validation split (roneneldan/TinyStories); sources, licences and sha256s in
+``tests/data/README.md``. The run that made the asset read copies of the same bytes kept
+outside the repository, whose paths its ``relufy_report.json`` records.
 """
 
 from __future__ import annotations
