@@ -151,7 +151,9 @@ class BatchDecoder:
         ``b``. A cache may appear several times (a sequence's prompt tokens at consecutive positions):
         every entry's keys and values are written before any attends, so entry ``b`` sees its cache's
         positions ``0..positions[b]``, earlier ones written before this step or in it. Returns fp32 logits
-        ``[len(logits_for), V]`` for the entries ``logits_for`` (default: all, ``[B, V]``).
+        ``[len(logits_for), V]`` for the entries ``logits_for`` (default: all, ``[B, V]``). The last layer
+        runs attention, its output product and the FFN for those entries only (the others need just their
+        keys and values there), as llama.cpp skips the outputs nobody reads.
         Raises PowerInferError when a position is past its cache, repeats, or the lists differ in length."""
         B = len(tokens)
         if not (B == len(caches) == len(positions)) or B == 0:
@@ -170,21 +172,28 @@ class BatchDecoder:
             if m.pos_embd is not None:
                 off = m.args.family.learned_pos_offset
                 x = x + m.pos_embd[torch.tensor([p + off for p in positions])]
+            keep = None if logits_for is None else torch.tensor(list(logits_for), dtype=torch.long)
+            last = len(m.layers) - 1
             for i, layer in enumerate(m.layers):
-                x = self._block(i, layer, x, caches, positions)
-            if logits_for is not None:
-                x = x[torch.tensor(list(logits_for), dtype=torch.long)]
+                x = self._block(i, layer, x, caches, positions, keep if i == last else None)
             return self._dense(m.output_norm(x), m.output).float()
 
-    def _block(self, i: int, layer: Layer, x, caches, positions) -> torch.Tensor:
+    def _block(self, i: int, layer: Layer, x, caches, positions, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """One layer over the entries ``[B, D]``; with ``keep`` (entry indices), every entry's keys and
+        values are written but the output ``[len(keep), D]`` holds the ``keep`` entries only."""
         if self.model.args.family.parallel_attn:
             xa = layer.attn_norm(x)
+            a = self._attention(i, layer, xa, caches, positions, keep)
+            if keep is not None:
+                x, xa = x[keep], xa[keep]
             xn = xa if layer.ffn_norm is layer.attn_norm else layer.ffn_norm(x)
-            return x + self._attention(i, layer, xa, caches, positions) + self._ffn(i, layer, x, xn)
-        x = x + self._attention(i, layer, layer.attn_norm(x), caches, positions)
+            return x + a + self._ffn(i, layer, x, xn)
+        a = self._attention(i, layer, layer.attn_norm(x), caches, positions, keep)
+        x = (x if keep is None else x[keep]) + a
         return x + self._ffn(i, layer, x, layer.ffn_norm(x))
 
-    def _attention(self, i: int, layer: Layer, x: torch.Tensor, caches, positions) -> torch.Tensor:
+    def _attention(self, i: int, layer: Layer, x: torch.Tensor, caches, positions,
+                   keep: torch.Tensor | None = None) -> torch.Tensor:
         m = self.model
         a, hd = m.args, m.args.head_dim
         qkv = self._dense(x, layer.wqkv, layer.bqkv)  # [B, (Hq + 2Hkv) d]: every sequence's QKV from one read
@@ -200,13 +209,15 @@ class BatchDecoder:
             ck, cv = cache.layer(i)
             ck[pos] = k[b]
             cv[pos] = v[b]
+        rows = range(B) if keep is None else keep.tolist()
         ks, vs = [], []
-        for cache, pos in zip(caches, positions):  # then one query each against its cache, in one call
-            ck, cv = cache.layer(i)
+        for b in rows:  # then one query each (the kept entries') against its cache, in one call
+            ck, cv = caches[b].layer(i)
+            pos = positions[b]
             k0 = max(0, pos + 1 - W) if W else 0
             ks.append(ck[k0:pos + 1])
             vs.append(cv[k0:pos + 1])
-        out = attend_many(q, ks, vs).reshape(B, a.n_head * hd)
+        out = attend_many(q if keep is None else q[keep], ks, vs).reshape(len(rows), a.n_head * hd)
         self.stats["t_attend"] += time.perf_counter() - t0
         return self._dense(out, layer.wo, layer.bo)
 
