@@ -72,6 +72,37 @@ def test_prompts_as_batch_entries_equal_token_by_token_decoding(files, kind):
         assert torch.equal(logits[b], want[b][1]), b
 
 
+@pytest.mark.parametrize("kind", ["f32", "q4_0"])
+def test_steps_that_read_no_logits_still_fill_the_caches(files, kind):
+    """A step of prompt entries only, none of whose logits are asked for (``logits_for=[]``: chunks of
+    prompts longer than a step), writes every entry's keys and values (the last layer skips the rest);
+    the sequences then go on with token-by-token decoding's logits, bit for bit. One step asks for a
+    single entry in the middle of a chunk."""
+    kernels.set_backend("auto")
+    model = Transformer(open_gguf(files[kind]))
+    prompts = [PROMPTS[0] * 2, PROMPTS[1] * 2]
+    want = [alone(model, p, 3, token_by_token=True) for p in prompts]
+    dec = batch.BatchDecoder(model)
+    caches = [batch.new_cache(model, 128) for _ in prompts]
+    n0 = len(prompts[0]) - 1  # every prompt token but the last: steps of 4 entries of both prompts
+    for s0 in range(0, n0, 4):
+        ent = [(b, p) for p in range(s0, min(s0 + 4, n0)) for b in range(2) if p < len(prompts[b]) - 1]
+        out = dec.step([prompts[b][p] for b, p in ent], [caches[b] for b, _ in ent], [p for _, p in ent],
+                       [] if s0 else [1])
+        assert out.shape == (0 if s0 else 1, model.output.shape[0])
+    for b in range(2):  # the rest of each prompt, then two decode steps, alone in the batch decoder
+        for p in range(n0, len(prompts[b]) - 1):
+            dec.step([prompts[b][p]], [caches[b]], [p], [])
+    got = [[dec.step([p[-1]], [c], [len(p) - 1])[0]] for p, c in zip(prompts, caches)]
+    for i in range(2):
+        toks = [int(g[-1].argmax()) for g in got]
+        lg = dec.step(toks, caches, [len(p) + i for p in prompts])
+        for b in range(2):
+            got[b].append(lg[b])
+    for b in range(2):
+        assert torch.equal(torch.stack(got[b]), want[b][1]), b
+
+
 def test_greedy_tokens_differ_between_sequences(files):
     """The equality above is not vacuous: the sequences' greedy continuations are not all the same."""
     model = Transformer(open_gguf(files["q4_0"]))

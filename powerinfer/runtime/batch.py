@@ -176,11 +176,16 @@ class BatchDecoder:
             last = len(m.layers) - 1
             for i, layer in enumerate(m.layers):
                 x = self._block(i, layer, x, caches, positions, keep if i == last else None)
+            if x.shape[0] == 0:  # no logits asked for (a step of prompt chunks)
+                return torch.empty(0, m.output.shape[0], dtype=torch.float32)
             return self._dense(m.output_norm(x), m.output).float()
 
     def _block(self, i: int, layer: Layer, x, caches, positions, keep: torch.Tensor | None = None) -> torch.Tensor:
         """One layer over the entries ``[B, D]``; with ``keep`` (entry indices), every entry's keys and
         values are written but the output ``[len(keep), D]`` holds the ``keep`` entries only."""
+        if keep is not None and keep.numel() == 0:  # no entry's output is read: keys and values only
+            self._attention(i, layer, layer.attn_norm(x), caches, positions, keep)
+            return x[keep]
         if self.model.args.family.parallel_attn:
             xa = layer.attn_norm(x)
             a = self._attention(i, layer, xa, caches, positions, keep)
@@ -210,6 +215,8 @@ class BatchDecoder:
             ck[pos] = k[b]
             cv[pos] = v[b]
         rows = range(B) if keep is None else keep.tolist()
+        if not rows:
+            return x[:0]
         ks, vs = [], []
         for b in rows:  # then one query each (the kept entries') against its cache, in one call
             ck, cv = caches[b].layer(i)
