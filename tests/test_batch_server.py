@@ -87,13 +87,18 @@ def test_concurrent_greedy_requests_equal_each_alone(q4_gguf):
         assert m["powerinfer_requests_total{outcome=served}"] == 8
         assert m["powerinfer_tokens_predicted_total"] == 320
         steps = m["powerinfer_decode_steps_total"] - m0["powerinfer_decode_steps_total"]
-        assert steps < 0.5 * 160  # 160 tokens (4 x 40, the first of each from its prompt's step) in far fewer steps
+        # 160 tokens (4 x 40, the first of each from its prompt's step) in far fewer steps: one at a time
+        # would take 156; how much the four overlap depends on how fast the clients' threads get going
+        # beside other work (81 steps seen under a parallel test run), so the bound is loose
+        assert steps < 0.75 * 160
         assert m["powerinfer_slots"] == 4
         slots = _all_idle(s)
         assert [x["id"] for x in slots] == [0, 1, 2, 3] and all(x["n_ctx"] == 128 for x in slots)
-        # each slot's prompt cache: a prompt and the 39 generated tokens evaluated after it
-        n_prompt = sorted(r["usage"]["prompt_tokens"] + 39 for r in got.values())
-        assert sorted(x["n_cached"] for x in slots) == n_prompt
+        # each slot's prompt cache: the last prompt it took and the 39 generated tokens evaluated after
+        # it (which slots the four took depends on how they overlapped: a slot a request left may be the
+        # one the next takes, for the prefix it shares); the steps above show that they overlapped
+        n_prompt = {r["usage"]["prompt_tokens"] + 39 for r in got.values()}
+        assert all(x["n_cached"] in n_prompt | {0} for x in slots) and any(x["n_cached"] for x in slots), slots
     finally:
         s.stop()
 
