@@ -104,22 +104,23 @@ def test_concurrent_greedy_requests_equal_each_alone(q4_gguf):
 
 
 def test_slot_context_queue_and_metrics_off(long_gguf):
-    """-np 2 -c 4096 --max-queue 1: a prompt longer than a slot's 2048 tokens is a 400 naming both
+    """-np 2 -c 8192 --max-queue 1: a prompt longer than a slot's 4096 tokens is a 400 naming both
     lengths; with both slots running and one request queued the next gets 503; /metrics is 501
     without --metrics; /props and /slots say 2 slots."""
-    s = Server(long_gguf, "-np", 2, "-c", 4096, "--max-queue", 1)
+    s = Server(long_gguf, "-np", 2, "-c", 8192, "--max-queue", 1)
     try:
         assert httpx.get(s.url + "/metrics").status_code == 501
         assert httpx.get(s.url + "/props").json()["total_slots"] == 2
-        r = httpx.post(s.url + "/v1/completions", json={"prompt": [1] + [300] * 2049, "max_tokens": 1})
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": [1] + [300] * 4097, "max_tokens": 1})
         assert r.status_code == 400
         msg = r.json()["error"]["message"]
-        assert "2050 tokens" in msg and "context of 2048 tokens" in msg and "-np 2" in msg, msg
-        r = httpx.post(s.url + "/v1/completions", json={"prompt": [1, 300], "max_tokens": 2047})
-        assert r.status_code == 400 and "at most 2046" in r.json()["error"]["message"]
+        assert "4098 tokens" in msg and "context of 4096 tokens" in msg and "-np 2" in msg, msg
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": [1, 300], "max_tokens": 4095})
+        assert r.status_code == 400 and "at most 4094" in r.json()["error"]["message"]
 
-        # 2000-token requests: they cannot end on their own while the test looks (as test_server's)
-        body = {"prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
+        # 4000-token requests: they cannot end on their own while the test looks (as test_server's;
+        # two 2000-token ones at once took 9 s here, a margin a loaded parallel run came near)
+        body = {"prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
         codes = []
 
         def run():
@@ -131,7 +132,7 @@ def test_slot_context_queue_and_metrics_off(long_gguf):
         _wait_for(s, "two slots busy", requests_processing=2)
         slots = httpx.get(s.url + "/slots").json()
         assert [x["state"] for x in slots] == ["generating"] * 2 or {x["state"] for x in slots} <= {"prompt", "generating"}
-        assert all(x["is_processing"] and x["n_predict"] == 2000 for x in slots)
+        assert all(x["is_processing"] and x["n_predict"] == 4000 for x in slots)
         threads[2].start()
         _wait_for(s, "one queued", requests_waiting=1)
         r = httpx.post(s.url + "/v1/completions", json=body, timeout=30)

@@ -319,12 +319,13 @@ def test_server_refuses_a_busy_port_before_loading_the_model(tmp_path, sparse_se
 
 @pytest.fixture(scope="module")
 def long_gguf(tmp_path_factory, relu_hf):
-    """The demo weights with a 4096-token context: a 4000-token request cannot end on its own
-    while a test waits for the server to report it running (on any machine)."""
+    """The demo weights with an 8192-token context (a server without -c takes 4096 of it, as
+    llama.cpp's does): a 4000-token request cannot end on its own while a test waits for the
+    server to report it running (on any machine); -np 2 -c 8192 gives two such slots."""
     d = tmp_path_factory.mktemp("long") / "m"
     shutil.copytree(relu_hf, d)
     cfg = json.loads((d / "config.json").read_text())
-    cfg["max_position_embeddings"] = 4096
+    cfg["max_position_embeddings"] = 8192
     (d / "config.json").write_text(json.dumps(cfg))
     return convert(d, d.parent / "long.gguf", outtype="f32", progress=False)
 
