@@ -105,15 +105,10 @@ def _shared(w) -> bool:
 
 
 def _rows_ok(f) -> bool:
-    """The C row kernels take ``f``'s sparse rows as the one-call decode does (same types and
-    layouts, the family's FFN kind and activation); FFN biases (OPT) are allowed: the union adds
-    them per row as :meth:`FFN.rows <powerinfer.runtime.ffn.FFN.rows>` does for one token."""
-    if f.fused() is not None:
-        return True
-    if all(b is None for b in (f.gate_b, f.up_b, f.down_b)):
-        return False
-    return kernels.SparseFFNCall.make(f.family.ffn, f.act.kind, f.act.threshold or 0.0, f.gate_min, f.threshold,
-                                      f.fc1, f.fc2, f.gate, f.up, f.down_t, False) is not None
+    """The C row kernels take ``f``'s sparse rows (:meth:`kernels.SparseFFNCall.takes`, the one-call
+    decode's conditions but biases: the union adds OPT's biases per row as :meth:`FFN.rows
+    <powerinfer.runtime.ffn.FFN.rows>` does for one token)."""
+    return kernels.SparseFFNCall.takes(f.family.ffn, f.act.kind, f.fc1, f.fc2, f.gate, f.up, f.down_t)
 
 
 def blinear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:

@@ -273,16 +273,8 @@ void pi_attend_many(int dt, int64_t n, const void *q, const void *const *Ks, con
     }
 }
 
+/* one query: pi_attend_many of one entry (the same threads over its heads) */
 void pi_attend_one(int dt, const void *q, const void *K, const void *V, int64_t S, int64_t Hq, int64_t Hkv,
                    int64_t d, int64_t ps, float scale, float *scores, float *out) {
-    if (Hq * S * d < PAR_MIN / 4 || omp_get_max_threads() == 1) {
-        attend_any(dt, q, K, V, S, Hq, Hkv, d, ps, scale, scores, out, 0, Hq);
-        return;
-    }
-    #pragma omp parallel
-    {
-        int64_t h0, h1;
-        split(Hq, omp_get_num_threads(), omp_get_thread_num(), &h0, &h1);
-        attend_any(dt, q, K, V, S, Hq, Hkv, d, ps, scale, scores, out, h0, h1);
-    }
+    pi_attend_many(dt, 1, q, &K, &V, &S, S, Hq, Hkv, d, ps, scale, scores, out);
 }

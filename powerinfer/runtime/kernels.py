@@ -421,18 +421,28 @@ class SparseFFNCall:
         self._t_pred = ctypes.c_double()
 
     @staticmethod
-    def make(family_ffn: str, act_kind: str, act_thr: float, gmin: float | None, threshold: float,
-             fc1, fc2, gate, up, down_t, biases: bool) -> "SparseFFNCall | None":
-        """The call for these weights, or None when the Python path must run them."""
-        if biases or family_ffn not in _FFN_KINDS or act_kind not in _ACTS or backend() != "c":
-            return None
+    def takes(family_ffn: str, act_kind: str, fc1, fc2, gate, up, down_t) -> bool:
+        """True when the C kernels take these weights as they are: gate/up/down rows of one quantized
+        row-layout type (:func:`_q_c_ok`), predictors quantized (x8 or rows), an FFN kind and
+        activation the C code knows, the C backend. Biases are the caller's to add (the one-call
+        decode takes none; the batch's union rows add them per row)."""
+        if family_ffn not in _FFN_KINDS or act_kind not in _ACTS or backend() != "c":
+            return False
         rows = [w for w in (gate, up, down_t) if w is not None]
         if not all(isinstance(w, QWeight) and _q_c_ok(w) and w.btype == up.btype for w in rows):
-            return None
+            return False
         if (gate is None) != (family_ffn == "relu"):
+            return False
+        # x8 weights are always contiguous CPU copies (for_dense_products)
+        return all(isinstance(w, QWeight) and (w.layout == "x8" or _q_c_ok(w)) for w in (fc1, fc2))
+
+    @staticmethod
+    def make(family_ffn: str, act_kind: str, act_thr: float, gmin: float | None, threshold: float,
+             fc1, fc2, gate, up, down_t, biases: bool) -> "SparseFFNCall | None":
+        """The call for these weights, or None when the Python path must run them (biases, or
+        weights :meth:`takes` refuses)."""
+        if biases or not SparseFFNCall.takes(family_ffn, act_kind, fc1, fc2, gate, up, down_t):
             return None
-        if not all(isinstance(w, QWeight) and (w.layout == "x8" or _q_c_ok(w)) for w in (fc1, fc2)):
-            return None  # x8 weights are always contiguous CPU copies (for_dense_products)
         return SparseFFNCall(_FFN_KINDS[family_ffn], _ACTS[act_kind], float(act_thr),
                              -math.inf if gmin is None else float(gmin), float(threshold), fc1, fc2, gate, up, down_t)
 
@@ -453,15 +463,21 @@ class SparseFFNCall:
         return out, int(k), self._n_fired.value, self._t_pred.value
 
 
+def _attend_c_ok(k: torch.Tensor, v: torch.Tensor, d: int) -> bool:
+    """The C attention reads this cache span: a C dtype for both, one layout, rows of ``d`` contiguous
+    values per head, at least one position."""
+    return (k.dtype in _DT and v.dtype == k.dtype and k.stride() == v.stride() and k.stride(2) == 1
+            and k.stride(1) == d and k.shape[0] > 0)
+
+
 def attend_many(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
     """:func:`attend_one` for ``n`` queries at once, each against its own cache span: ``q``
     ``[n, Hq, d]``, ``ks[i]``, ``vs[i]`` ``[S_i, Hkv, d]`` -> ``[n, Hq, d]`` in ``q``'s dtype. Entry
     ``i`` gets exactly ``attend_one(q[i], ks[i], vs[i])``; one C call for all of them where every
     span is a C-readable cache view of one position stride, else one :func:`attend_one` each."""
     n, Hq, d = q.shape
-    if n and _c_ok() and all(k.dtype in _DT and k.dtype == ks[0].dtype and v.dtype == k.dtype
-                             and k.stride() == v.stride() == ks[0].stride() and k.stride(2) == 1
-                             and k.stride(1) == d and k.shape[0] > 0 for k, v in zip(ks, vs)):
+    if n and _c_ok() and all(_attend_c_ok(k, v, d) and k.dtype == ks[0].dtype and k.stride() == ks[0].stride()
+                             for k, v in zip(ks, vs)):
         dt, Hkv = ks[0].dtype, ks[0].shape[1]
         qw = q.to(dt).contiguous()
         S = torch.tensor([k.shape[0] for k in ks], dtype=torch.int64)
@@ -480,8 +496,7 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
     """Decode attention of one query: ``q`` ``[Hq, d]`` against ``k``, ``v`` ``[S, Hkv, d]`` (views of
     the KV cache, every position visible) -> ``[Hq, d]`` in ``q``'s dtype; ``Hq`` a multiple of ``Hkv``."""
     (Hq, d), (S, Hkv, _) = q.shape, k.shape
-    if _c_ok() and k.dtype in _DT and v.dtype == k.dtype and k.stride() == v.stride() \
-            and k.stride(2) == 1 and k.stride(1) == d and S > 0:
+    if _c_ok() and _attend_c_ok(k, v, d):
         qw = q.to(k.dtype).contiguous()
         scores = torch.empty(Hq, S, dtype=torch.float32)
         out = torch.empty(Hq, d, dtype=torch.float32)

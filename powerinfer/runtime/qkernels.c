@@ -763,41 +763,65 @@ static inline void axpy4_16(int qt, const uint8_t *const *rows, const float *c, 
 }
 #endif
 
+/* the values of D a thread's slice is made of whole multiples of (blocks, and whole cache lines) */
+static inline int64_t slice_values(int qt) { return block_values(qt) < 16 ? 16 : block_values(qt); }
+
+/* thread t of nt's slice [d0, d1) of D, in whole multiples of bv values */
+static inline void d_slice(int64_t D, int64_t bv, int nt, int t, int64_t *d0, int64_t *d1) {
+    const int64_t nblk = (D + bv - 1) / bv, per = (nblk + nt - 1) / nt;
+    *d0 = t * per * bv < D ? t * per * bv : D;
+    *d1 = *d0 + per * bv < D ? *d0 + per * bv : D;
+}
+
+/* rows[k] = W's row idx[r] and cs[k] = coef[r] for the rows r < n with a non-zero coefficient, in
+ * order; returns k (a row whose coefficient is exactly 0 adds nothing and is not read) */
+static int64_t nonzero_rows(const uint8_t *W, int64_t rb, const int64_t *idx, const float *coef, int64_t n,
+                            const uint8_t **rows, float *cs) {
+    int64_t k = 0;
+    for (int64_t r = 0; r < n; r++)
+        if (coef[r] != 0.f) {
+            rows[k] = W + idx[r] * rb;
+            cs[k++] = coef[r];
+        }
+    return k;
+}
+
+/* out[d0 .. d1) += sum_k cs[k] * rows[k][d0 .. d1) over the m rows in order, four at a time where a
+ * kernel for that exists (each output value's FMAs in the same row order either way), the next
+ * rows prefetched */
+static void axpy_slice(int qt, const uint8_t *const *rows, const float *cs, int64_t m, int64_t d0, int64_t d1,
+                       float *out) {
+    const int64_t pb0 = d0 / block_values(qt) * block_bytes(qt), pbn = (d1 - d0) / block_values(qt) * block_bytes(qt);
+    int64_t r = 0;
+#ifdef PI_AVX2
+    if (is_q0(qt) || (is_16bit(qt) && d0 % 8 == 0 && d1 % 8 == 0))
+        for (; r + 4 <= m && d0 < d1; r += 4) {
+            for (int64_t s = r + 4; s < r + 8 && s < m; s++) prefetch_row(rows[s] + pb0, pbn);
+            if (is_q0(qt)) axpy4_q(qt, rows + r, cs + r, d0, d1, out);
+            else axpy4_16(qt, rows + r, cs + r, d0, d1, out);
+        }
+#endif
+    for (; r < m && d0 < d1; r++) {
+        if (r + 1 < m) prefetch_row(rows[r + 1] + pb0, pbn);
+        axpy_row(qt, rows[r], cs[r], d0, d1, out);
+    }
+}
+
 /* out[d] = sum_r coef[r] * W[idx[r], d] for d < D: W [*, D] of type qt, coef [n], out [D] f32.
  * Rows with coef exactly 0 are skipped. Each thread owns a slice of d (whole blocks) and
  * walks the used rows, four at a time where a kernel for that exists. */
 void pi_q_axpy_rows(int qt, const void *W, const int64_t *idx, const float *coef, int64_t n, int64_t D, float *out) {
-    const int64_t rb = row_bytes(qt, D), bv = block_values(qt) < 16 ? 16 : block_values(qt);
+    const int64_t rb = row_bytes(qt, D), bv = slice_values(qt);
     memset(out, 0, (size_t)D * sizeof(float));
     const uint8_t **rows = malloc((size_t)(n + 1) * sizeof(*rows));
     float *cs = malloc((size_t)(n + 1) * sizeof(float));
-    int64_t m = 0;
-    for (int64_t r = 0; r < n; r++)
-        if (coef[r] != 0.f) {
-            rows[m] = (const uint8_t *)W + idx[r] * rb;
-            cs[m++] = coef[r];
-        }
+    const int64_t m = nonzero_rows((const uint8_t *)W, rb, idx, coef, n, rows, cs);
     const int par = m * rb >= PAR_MIN_BYTES && omp_get_max_threads() > 1 && D >= 2 * bv;
     #pragma omp parallel if (par)
     {
-        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t nblk = (D + bv - 1) / bv, per = (nblk + nt - 1) / nt;
-        const int64_t d0 = t * per * bv < D ? t * per * bv : D;
-        const int64_t d1 = d0 + per * bv < D ? d0 + per * bv : D;
-        const int64_t pb0 = d0 / block_values(qt) * block_bytes(qt), pbn = (d1 - d0) / block_values(qt) * block_bytes(qt);
-        int64_t r = 0;
-#ifdef PI_AVX2
-        if (is_q0(qt) || (is_16bit(qt) && d0 % 8 == 0 && d1 % 8 == 0))
-            for (; r + 4 <= m && d0 < d1; r += 4) {
-                for (int64_t s = r + 4; s < r + 8 && s < m; s++) prefetch_row(rows[s] + pb0, pbn);
-                if (is_q0(qt)) axpy4_q(qt, rows + r, cs + r, d0, d1, out);
-                else axpy4_16(qt, rows + r, cs + r, d0, d1, out);
-            }
-#endif
-        for (; r < m && d0 < d1; r++) {
-            if (r + 1 < m) prefetch_row(rows[r + 1] + pb0, pbn);
-            axpy_row(qt, rows[r], cs[r], d0, d1, out);
-        }
+        int64_t d0, d1;
+        d_slice(D, bv, omp_get_num_threads(), omp_get_thread_num(), &d0, &d1);
+        axpy_slice(qt, rows, cs, m, d0, d1, out);
     }
     free(rows);
     free(cs);
@@ -909,7 +933,7 @@ static inline __attribute__((always_inline)) void x8_tile(int qt, const uint8_t 
 #endif
 
 /* groups [g0, g1) of y [T, N] for an x8 matrix; a: the T activations (q8 blocks, scales,
- * and for Q4_0 the 16-value sums). Called with a constant qt. Each group of 8 rows takes every
+ * and for Q4_0 the block offsets). Called with a constant qt. Each group of 8 rows takes every
  * tile of 4 tokens while its bytes are in L1/L2 (group outer, tokens inner: with tokens outer a
  * batch of 8 read every weight from memory twice), so a step of several tokens reads each weight
  * from memory once. Per token and row the blocks are summed in order 0..nb-1, whatever T is:
@@ -1070,52 +1094,24 @@ void pi_q_dot_rows_multi(int qt, const void *W1, const void *W2, const int64_t *
  * one chunk before the next, so a row that several tokens use is read from memory once. */
 void pi_q_axpy_rows_multi(int qt, const void *W, const int64_t *idx, const float *coef, int64_t n, int64_t D,
                           int64_t T, float *out, int64_t chunk) {
-    const int64_t rb = row_bytes(qt, D), bv = block_values(qt) < 16 ? 16 : block_values(qt);
+    const int64_t rb = row_bytes(qt, D), bv = slice_values(qt);
     memset(out, 0, (size_t)(T * D) * sizeof(float));
     const uint8_t **rows = malloc((size_t)(T * n + 1) * sizeof(*rows));
     float *cs = malloc((size_t)(T * n + 1) * sizeof(float));
     int64_t *m = malloc((size_t)(T + 1) * sizeof(int64_t)), used = 0;
     for (int64_t t = 0; t < T; t++) {
-        int64_t k = 0;
-        for (int64_t r = 0; r < n; r++)
-            if (coef[t * n + r] != 0.f) {
-                rows[t * n + k] = (const uint8_t *)W + idx[r] * rb;
-                cs[t * n + k++] = coef[t * n + r];
-            }
-        m[t] = k;
-        used = k > used ? k : used;
+        m[t] = nonzero_rows((const uint8_t *)W, rb, idx, coef + t * n, n, rows + t * n, cs + t * n);
+        used = m[t] > used ? m[t] : used;
     }
     const int par = (used > n ? used : n) * rb >= PAR_MIN_BYTES && omp_get_max_threads() > 1 && D >= 2 * bv;
     chunk = chunk <= 0 ? D : (chunk + bv - 1) / bv * bv;
     #pragma omp parallel if (par)
     {
-        const int nt = omp_get_num_threads(), th = omp_get_thread_num();
-        const int64_t nblk = (D + bv - 1) / bv, per = (nblk + nt - 1) / nt;
-        const int64_t d0 = th * per * bv < D ? th * per * bv : D;
-        const int64_t d1 = d0 + per * bv < D ? d0 + per * bv : D;
+        int64_t d0, d1;
+        d_slice(D, bv, omp_get_num_threads(), omp_get_thread_num(), &d0, &d1);
         for (int64_t c0 = d0; c0 < d1; c0 += chunk) {
             const int64_t c1 = c0 + chunk < d1 ? c0 + chunk : d1;
-            const int64_t pb0 = c0 / block_values(qt) * block_bytes(qt);
-            const int64_t pbn = (c1 - c0) / block_values(qt) * block_bytes(qt);
-            for (int64_t t = 0; t < T; t++) {
-                const uint8_t **rw = rows + t * n;
-                const float *c = cs + t * n;
-                float *o = out + t * D;
-                const int64_t mt = m[t];
-                int64_t r = 0;
-#ifdef PI_AVX2
-                if (is_q0(qt) || (is_16bit(qt) && d0 % 8 == 0 && d1 % 8 == 0))
-                    for (; r + 4 <= mt; r += 4) {
-                        for (int64_t s = r + 4; s < r + 8 && s < mt; s++) prefetch_row(rw[s] + pb0, pbn);
-                        if (is_q0(qt)) axpy4_q(qt, rw + r, c + r, c0, c1, o);
-                        else axpy4_16(qt, rw + r, c + r, c0, c1, o);
-                    }
-#endif
-                for (; r < mt; r++) {
-                    if (r + 1 < mt) prefetch_row(rw[r + 1] + pb0, pbn);
-                    axpy_row(qt, rw[r], c[r], c0, c1, o);
-                }
-            }
+            for (int64_t t = 0; t < T; t++) axpy_slice(qt, rows + t * n, cs + t * n, m[t], c0, c1, out + t * D);
         }
     }
     free(rows);
