@@ -105,8 +105,9 @@ def test_concurrent_greedy_requests_equal_each_alone(q4_gguf):
 
 def test_slot_context_queue_and_metrics_off(long_gguf):
     """-np 2 -c 8192 --max-queue 1: a prompt longer than a slot's 4096 tokens is a 400 naming both
-    lengths; with both slots running and one request queued the next gets 503; /metrics is 501
-    without --metrics; /props and /slots say 2 slots."""
+    lengths; with both slots running and one request queued the next gets 503; the three streams'
+    clients leaving cancels all three (the queued one once it has a slot); /metrics is 501 without
+    --metrics; /props and /slots say 2 slots."""
     s = Server(long_gguf, "-np", 2, "-c", 8192, "--max-queue", 1)
     try:
         assert httpx.get(s.url + "/metrics").status_code == 501
@@ -118,30 +119,38 @@ def test_slot_context_queue_and_metrics_off(long_gguf):
         r = httpx.post(s.url + "/v1/completions", json={"prompt": [1, 300], "max_tokens": 4095})
         assert r.status_code == 400 and "at most 4094" in r.json()["error"]["message"]
 
-        # 4000-token requests: they cannot end on their own while the test looks (as test_server's;
-        # two 2000-token ones at once took 9 s here, a margin a loaded parallel run came near)
-        body = {"prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
-        codes = []
+        # 4000-token streams: they cannot end on their own while the test looks (as test_server's;
+        # two 2000-token ones at once took 9 s here, a margin a loaded parallel run came near); each
+        # client leaves once the test is done, which cancels its request
+        body = {"prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        codes, leave = [], threading.Event()
 
         def run():
-            codes.append(httpx.post(s.url + "/v1/completions", json=body, timeout=300).status_code)
+            with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=300) as resp:
+                codes.append(resp.status_code)
+                for _ in resp.iter_lines():
+                    if leave.is_set():
+                        break
 
         threads = [threading.Thread(target=run) for _ in range(3)]
         for t in threads[:2]:
             t.start()
         _wait_for(s, "two slots busy", requests_processing=2)
         slots = httpx.get(s.url + "/slots").json()
-        assert [x["state"] for x in slots] == ["generating"] * 2 or {x["state"] for x in slots} <= {"prompt", "generating"}
+        assert {x["state"] for x in slots} <= {"prompt", "generating"}
         assert all(x["is_processing"] and x["n_predict"] == 4000 for x in slots)
         threads[2].start()
         _wait_for(s, "one queued", requests_waiting=1)
-        r = httpx.post(s.url + "/v1/completions", json=body, timeout=30)
+        r = httpx.post(s.url + "/v1/completions", json={**body, "stream": False}, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full", r.text
+        leave.set()  # the two running clients leave, the queued one gets a slot, then leaves too
         for t in threads:
-            t.join(300)
+            t.join(120)
         assert codes == [200, 200, 200]
         slots = _all_idle(s)
         assert len(slots) == 2 and all(x["state"] == "idle" for x in slots)
+        assert s.health()["requests_cancelled"] == 3
     finally:
         s.stop()
 
@@ -237,3 +246,62 @@ def test_load_64_clients(q4_gguf):
               f"{m['powerinfer_busy_slots_per_decode']:.2f} sequences per decode step")
     finally:
         s.stop()
+
+
+# ---------------------------------------------------------------------------- the worker in-process
+def _job(ids: list[int], n: int):
+    import asyncio
+
+    from powerinfer.runtime.generate import SamplerSettings
+    from powerinfer.server.engine import Job
+
+    # a loop that never runs: emit() queues its wake-ups there, the test reads job.events itself
+    return Job(ids=ids, n_predict=n, sampler=SamplerSettings(temp=0.0), stop=[], ignore_eos=True,
+               loop=asyncio.new_event_loop())
+
+
+def _ended(job, deadline_s: float = 60) -> tuple[str, object]:
+    end = time.time() + deadline_s
+    while time.time() < end:
+        for kind, value in list(job.events):
+            if kind in ("done", "error"):
+                return kind, value
+        time.sleep(0.01)
+    raise AssertionError(f"the request never ended: {list(job.events)}")
+
+
+@pytest.mark.parametrize("n_slots", [1, 2])
+def test_worker_ends_max_tokens_0_at_once_and_survives_a_failing_request(q4_gguf, monkeypatch, n_slots):
+    """max_tokens 0 evaluates the prompt and ends with no token (as generate() does), on -np 1 and
+    -np > 1; an error while sampling one request's token ends that request with an error event and
+    frees its slot, and the worker goes on serving the next request."""
+    from powerinfer.runtime.loading import load_model
+    from powerinfer.server import scheduler
+
+    model, tok = load_model(str(q4_gguf), n_ctx=256)
+    sch = scheduler.Scheduler(model, tok, n_slots=n_slots)
+    try:
+        zero = _job([1, 300, 301], 0)
+        sch.submit(zero)
+        kind, res = _ended(zero)
+        assert kind == "done" and res.stats.n_gen == 0 and res.finish_reason == "length"
+        real = scheduler.sample
+        calls = []
+
+        def flaky(*a, **k):
+            calls.append(1)
+            if len(calls) == 2:
+                raise ValueError("sampler broke")
+            return real(*a, **k)
+
+        monkeypatch.setattr(scheduler, "sample", flaky)
+        bad = _job([1, 300, 302], 5)
+        sch.submit(bad)
+        assert _ended(bad) == ("error", "internal error: ValueError: sampler broke")
+        good = _job([1, 300, 303], 5)
+        sch.submit(good)
+        kind, res = _ended(good)
+        assert kind == "done" and res.stats.n_gen == 5
+        assert sch.n_failed == 1 and sch.n_served == 2 and all(s.job is None for s in sch.slots)
+    finally:
+        sch.close()

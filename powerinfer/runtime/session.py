@@ -25,19 +25,20 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+def end_ids(tok: GGUFTokenizer, ignore_eos: bool = False) -> tuple[int | None, tuple[int, ...]]:
+    """``(eos_id, stop_after_first)`` for :func:`generate`: EOS, and BOS from the second token on
+    (llama2.c-style models emit BOS between stories); none with ``ignore_eos``."""
+    if ignore_eos:
+        return None, ()
+    return tok.eos_id, (() if tok.bos_id is None else (tok.bos_id,))
+
+
 class Session:
     """One model and tokenizer, and the ids its KV cache holds (``cached``, positions 0..)."""
 
     def __init__(self, model: Transformer, tok: GGUFTokenizer):
         self.model, self.tok = model, tok
         self.cached: list[int] = []
-
-    def end_ids(self, ignore_eos: bool = False) -> tuple[int | None, tuple[int, ...]]:
-        """``(eos_id, stop_after_first)`` for :func:`generate`: EOS, and BOS from the second token on
-        (llama2.c-style models emit BOS between stories); none with ``ignore_eos``."""
-        if ignore_eos:
-            return None, ()
-        return self.tok.eos_id, (() if self.tok.bos_id is None else (self.tok.bos_id,))
 
     def generate(self, ids: list[int], n_predict: int, sampler: SamplerSettings, *, ignore_eos: bool = False,
                  on_token: Callable[[int], None] | None = None,
@@ -47,7 +48,7 @@ class Session:
         an exception mid-way (Ctrl-C) leaves the cache marked as holding the reused prefix only."""
         n_past = common_prefix(self.cached, ids)
         self.cached = self.cached[:n_past]
-        eos, late = self.end_ids(ignore_eos)
+        eos, late = end_ids(self.tok, ignore_eos)
         st = generate(self.model, ids, n_predict, sampler, eos, on_token, late, n_past=n_past,
                       should_stop=should_stop)
         self.cached = list(ids) + st.token_ids[:st.n_eval]

@@ -40,7 +40,7 @@ from ..errors import PowerInferError
 from ..runtime.batch import BatchDecoder, new_cache, prefill
 from ..runtime.generate import GenStats, sample
 from ..runtime.model import KVCache, Transformer
-from ..runtime.session import StopMatcher, common_prefix
+from ..runtime.session import StopMatcher, common_prefix, end_ids
 from ..runtime.tokenizer import GGUFTokenizer, TextStream
 from .engine import Job, QueueFull, Result
 
@@ -170,7 +170,10 @@ class Scheduler:
                     return
                 admitted = self._admit()
             for s in admitted:
-                self._start(s)
+                try:
+                    self._start(s)
+                except Exception as e:  # noqa: BLE001  (one bad request must not stop the worker)
+                    self._fail(s, e)
             for s in self.slots:
                 if s.job is not None and s.job.cancel.is_set():
                     self._finish(s, "cancelled")
@@ -215,10 +218,7 @@ class Scheduler:
         s.last_n = self.n_ctx if sm.repeat_last_n < 0 else sm.repeat_last_n
         s.history = list(ids) if sm.repeat_penalty != 1.0 and s.last_n > 0 else None
         s.stream, s.matcher = TextStream(self.tok, ids), StopMatcher(job.stop)
-        if job.ignore_eos:
-            s.eos, s.late = None, ()
-        else:
-            s.eos, s.late = self.tok.eos_id, (() if self.tok.bos_id is None else (self.tok.bos_id,))
+        s.eos, s.late = end_ids(self.tok, job.ignore_eos)
 
     def _prompt_work(self) -> None:
         waiting = [s for s in self.slots if s.state == "prompt"]
@@ -237,8 +237,8 @@ class Scheduler:
         s.st.t_prompt += dt
         self.t_prompt += dt
         self.n_prompt_tokens += n
+        s.cached.extend(ids[s.n_done:s.n_done + n])
         s.n_done += n
-        s.cached = list(ids[:s.n_done])
         if s.n_done == len(ids):
             s.state, s.pos, s.t_gen0 = "generating", len(ids), time.perf_counter()
             self._next(s, logits)
@@ -289,23 +289,21 @@ class Scheduler:
         k = len(gen)
         for s, n, done in chunks:
             s.st.t_prompt += dt
+            s.cached.extend(s.job.ids[s.n_done:s.n_done + n])
             s.n_done += n
-            s.cached = list(s.job.ids[:s.n_done])
             if done:
                 s.state, s.pos, s.t_gen0 = "generating", s.n_done, time.perf_counter()
                 self._next(s, logits[k])
                 k += 1
 
     def _decode_step(self) -> None:
+        """-np 1: the one slot's pending token through the model's decode path."""
         run = [s for s in self.slots if s.state == "generating" and s.pending is not None]
         if not run:
             return
         t0 = time.perf_counter()
         try:
-            if len(run) == 1:
-                logits = prefill(self.model, run[0].cache, [run[0].pending], run[0].pos)[None]
-            else:
-                logits = self.decoder.step([s.pending for s in run], [s.cache for s in run], [s.pos for s in run])
+            logits = prefill(self.model, run[0].cache, [run[0].pending], run[0].pos)[None]
         except Exception as e:  # noqa: BLE001
             for s in run:
                 self._fail(s, e)
@@ -325,9 +323,21 @@ class Scheduler:
 
     def _next(self, s: Slot, logits: torch.Tensor) -> None:
         """Sample slot ``s``'s next token from ``logits`` ``[V]``, stream it, end the request when done
-        (the rules of :func:`~powerinfer.runtime.generate.generate`)."""
+        (the rules of :func:`~powerinfer.runtime.generate.generate`); an error in sampling or text ends
+        that request alone."""
+        try:
+            self._sample_next(s, logits)
+        except Exception as e:  # noqa: BLE001  (one bad request must not stop the worker)
+            if s.job is not None:
+                self._fail(s, e)
+            else:  # failed after the request ended: nobody left to tell
+                log.exception("after a request ended", exc_info=e)
+
+    def _sample_next(self, s: Slot, logits: torch.Tensor) -> None:
         job, st = s.job, s.st
         s.pending = None
+        if job.n_predict == 0:  # max_tokens 0: the prompt only, as generate() does
+            return self._finish(s, "n_predict")
         tok = sample(logits, job.sampler, s.gen, s.history[-s.last_n:] if s.history is not None else ())
         if (s.eos is not None and tok == s.eos) or (st.token_ids and tok in s.late):
             return self._finish(s, "eos")
