@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,16 +42,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT / "tests" / "data" / "text" / "tinystories_sample.txt"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def load_avg() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import load_avg  # noqa: E402
+from bench_server import free_port, wait_healthy  # noqa: E402
 
 
 class ServerProc:
@@ -61,16 +53,7 @@ class ServerProc:
         self.url = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
-        for _ in range(1200):
-            if self.proc.poll() is not None:
-                raise SystemExit(f"{name} exited ({self.proc.returncode}): {' '.join(cmd)}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise SystemExit(f"{name} did not start")
+        wait_healthy(self.proc, self.url, f"{name} ({' '.join(cmd)})")
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -119,7 +102,7 @@ def run_clients(srv: ServerProc, prompts: list[str], n: int) -> dict:
 
 
 def stall(srv: ServerProc, prompts: list[str], long_prompt: list[int], n: int) -> tuple[float, float]:
-    """(largest gap between streamed chunks of 4 running streams while a long prompt is admitted,
+    """(largest gap between streamed chunks of the running streams while a long prompt is admitted,
     seconds until that request's first token)."""
     outs = [dict() for _ in prompts]
     t_start = time.perf_counter()

@@ -33,18 +33,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, name: str, tries: int = 1200) -> None:
+    """Poll ``url``/health until it answers 200 (SystemExit if ``proc`` exits or never answers)."""
+    for _ in range(tries):
+        if proc.poll() is not None:
+            raise SystemExit(f"{name} exited ({proc.returncode})")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"{name} did not start")
+
+
 def start_server(model: str, threads: int, port: int) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "powerinfer.server.cli", "-m", model, "--port", str(port),
                              "-t", str(threads), "--log-level", "warning"], stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}/health"
-    for _ in range(600):
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("pi-server did not start")
+    wait_healthy(proc, f"http://127.0.0.1:{port}", "pi-server")
+    return proc
 
 
 def pi_run_tps(model: str, n: int, threads: int) -> float:
