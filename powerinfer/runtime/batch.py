@@ -26,7 +26,8 @@ where ``F.linear`` on ``[B, D]`` sums in another order than the C matrix-vector 
 token by token instead: exact, but it reads such a weight ``B`` times (f32 test models only;
 quantized and 16-bit files on the C kernels take the shared path).
 
-Not supported: GPU offload (``--vram-budget``); :func:`check_batchable` says so.
+Not supported: GPU offload (``--vram-budget``) and a RAM budget (``--ram-budget``);
+:func:`check_batchable` says so.
 
 Shapes: ``B`` sequences in the step, ``D = n_embd``, ``V`` vocabulary.
 """
@@ -64,9 +65,13 @@ def new_cache(model: Transformer, n_ctx: int) -> KVCache:
 
 
 def check_batchable(model: Transformer) -> None:
-    """PowerInferError when ``model`` cannot decode several sequences at once (GPU offload)."""
+    """PowerInferError when ``model`` cannot decode several sequences at once (GPU offload, or a RAM
+    budget: its FFN rows are not full matrices the batched kernels could read)."""
     if model.placement is not None:
         raise PowerInferError("several sequences at once (-np > 1) do not run with GPU offload (--vram-budget) yet")
+    if getattr(model, "residency", None) is not None:
+        raise PowerInferError("several sequences at once (-np > 1) do not run under a RAM budget (--ram-budget) yet: "
+                              "the batched steps read every sequence's FFN rows from full matrices")
 
 
 def cache_len(cache: KVCache) -> int:
