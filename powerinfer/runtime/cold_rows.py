@@ -794,14 +794,14 @@ def load_budgeted(g: GGUFFile, dtype: torch.dtype, n_ctx: int | None, budget_gib
     Raises PowerInferError for a budget below the minimum, a dense file, FFN
     rows of a type the row kernels do not read, or an unreadable activation folder."""
     from .args import ModelArgs
-    from .model import DEFAULT_CTX, Transformer
+    from .model import Transformer, context_length
     from .residency import plan_residency
     from .weights import _release
 
     if kernels.backend() != "c":
         raise PowerInferError("--ram-budget needs the C kernels (--kernels c): the torch backend copies every weight")
     a = ModelArgs.from_gguf(g)
-    ctx = min(n_ctx or min(a.n_ctx, DEFAULT_CTX), a.n_ctx)
+    _, ctx = context_length(g, a, n_ctx)  # the Transformer's own (position_embd's cap included)
     counts, source = activation_counts(str(g.path), activation_dir, a.n_layer, a.n_ff) if a.sparse else (None, "")
     plan = plan_residency(g, ctx, dtype, budget_gib, counts, source, interpreter)
     streams, files, where = open_streams(g, plan, note)

@@ -250,6 +250,16 @@ def build_ffn(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype, dense: bool
     return ffn
 
 
+def context_length(g: GGUFFile, a: ModelArgs, n_ctx: int | None) -> tuple[int, int]:
+    """``(the model's context length, the one used)``: the metadata's, cut by the rows of
+    ``position_embd`` for learned positions (OPT); ``n_ctx`` cut to it, None: at most
+    :data:`DEFAULT_CTX`. No tensor data is read (``--ram-budget`` plans with it before loading)."""
+    max_ctx = a.n_ctx
+    if a.family.rope is None:
+        max_ctx = min(max_ctx, tensor_shape(g, "position_embd.weight")[0] - a.family.learned_pos_offset)
+    return max_ctx, min(n_ctx or min(max_ctx, DEFAULT_CTX), max_ctx)
+
+
 def build_layer(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype, dense: bool, mapped: bool = False,
                 ffn_builder: Callable | None = None) -> Layer:
     """Layer ``i``: its norms by the family's layout, attention and FFN (``ffn_builder``, same
@@ -295,15 +305,13 @@ class Transformer:
         self.output = self.tok_embd if out is None else out  # [V, D]; OPT ties it to the embedding
         if self.output.shape != self.tok_embd.shape:
             raise PowerInferError(f"{g.path}: output shape {tuple(self.output.shape)} does not match token_embd")
-        max_ctx = a.n_ctx
         self.pos_embd = None
         if fam.rope is None:  # learned positions: row p + offset holds position p
             self.pos_embd = load_tensor(g, "position_embd.weight", dtype)  # [n_pos, D]
             if self.pos_embd.shape[1] != a.n_embd:
                 raise PowerInferError(f"{g.path}: position_embd shape {tuple(self.pos_embd.shape)} does not match n_embd")
-            max_ctx = min(max_ctx, self.pos_embd.shape[0] - fam.learned_pos_offset)
+        max_ctx, self.n_ctx = context_length(g, a, n_ctx)
         self.max_ctx = max_ctx  # the model's own context length (n_ctx may be smaller: -c)
-        self.n_ctx = min(n_ctx or min(max_ctx, DEFAULT_CTX), max_ctx)
         if not n_ctx and self.n_ctx < max_ctx:
             kv = KVCache.nbytes(a.n_layer, 1, a.n_head_kv, a.head_dim, dtype)
             log.warning("context: %d tokens of the model's %d (KV cache %s); -c %d for the whole context "
