@@ -173,8 +173,8 @@ def test_short_read_names_file_and_offset(tmp_path):
         st = cold_rows.Stream(f, 0, 100, [(0, 100, 0)], np.arange(20, dtype=np.int64))
         slab = bytearray(300)
         with pytest.raises(PowerInferError, match=rf"{p}: short read at offset 900: 100 of 200 bytes"):
-            reader._c_read(lib, st, np.array([9, 10]), np.array([0, 1]), [memoryview(slab)], [100], True)
-        assert reader._c_read(lib, st, np.array([2, 4]), np.array([0, 2]), [memoryview(slab)], [100], True) == 300
+            reader._c_read(lib, st, np.array([9, 10]), np.array([0, 1]), cold_rows.Slabs([memoryview(slab)], [100]), True)
+        assert reader._c_read(lib, st, np.array([2, 4]), np.array([0, 2]), cold_rows.Slabs([memoryview(slab)], [100]), True) == 300
         assert reader.stats.reads == 1 and reader.stats.bytes == 300  # records 2..4, record 3 into junk
     f.close()
 
@@ -296,7 +296,7 @@ def test_c_reader_scatters_parts_of_merged_records(tmp_path, monkeypatch, direct
     assert st.direct == direct
     reader = cold_rows.RowReader([f])
     a, b = bytearray(4 * 50), bytearray(4 * 60)
-    reader._c_read(lib, st, np.array([1, 2, 5]), np.array([3, 0, 2]), [memoryview(a), memoryview(b)], [50, 60], True)
+    reader._c_read(lib, st, np.array([1, 2, 5]), np.array([3, 0, 2]), cold_rows.Slabs([memoryview(a), memoryview(b)], [50, 60]), True)
     assert reader.stats.reads == 1 and reader.stats.bytes == 5 * 4096
     for rec, slot in ((1, 3), (2, 0), (5, 2)):
         assert a[slot * 50:(slot + 1) * 50] == data[rec * 4096 + 100:rec * 4096 + 150].tobytes()

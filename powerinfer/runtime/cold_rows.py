@@ -44,7 +44,7 @@ import subprocess
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -189,11 +189,25 @@ class Stream:
     stride: int
     parts: list[tuple[int, int, int]]
     pos: np.ndarray  # int64 [n_ff]
+    direct: bool = field(init=False)  # read with O_DIRECT (page-aligned records, a file opened so)
+    c_parts: tuple = field(init=False, repr=False)  # the parts' offsets, lengths, matrices for cold_rows.c
 
-    @property
-    def direct(self) -> bool:
-        """Read with O_DIRECT (page-aligned records, a file opened so), bypassing the page cache."""
-        return self.file.dfd >= 0 and self.base % PAGE == 0 and self.stride % PAGE == 0 and self.stride <= MAX_JOB
+    def __post_init__(self):
+        self.direct = (self.file.dfd >= 0 and self.base % PAGE == 0 and self.stride % PAGE == 0
+                       and self.stride <= MAX_JOB)
+        P = ctypes.c_int64 * len(self.parts)
+        self.c_parts = tuple(P(*[p[k] for p in self.parts]) for k in range(3))
+
+
+class Slabs:
+    """Where reads land: one flat byte view per FFN matrix (``views``) and its row bytes, with the
+    arrays ``cold_rows.c`` takes built once."""
+
+    def __init__(self, views: list[memoryview], row_bytes: list[int]):
+        self.views, self.row_bytes = views, list(row_bytes)
+        self.c_bases = (ctypes.c_void_p * len(views))(*[ctypes.addressof(ctypes.c_char.from_buffer(v))
+                                                        for v in views])
+        self.c_row_bytes = (ctypes.c_int64 * len(self.row_bytes))(*self.row_bytes)
 
 
 def _page_round(n: int) -> int:
@@ -374,6 +388,7 @@ class RowReader:
         self.stats = ReadStats()
         self.verify = False  # check the block scales of every row read (rows straight from the GGUF)
         self.pool: RowPool | None = None
+        self.lib = _lib()  # None: os.preadv from the thread pool
         self._junk = np.empty(1 << 20, dtype=np.uint8)
         self._jv = memoryview(self._junk)
 
@@ -382,24 +397,24 @@ class RowReader:
         for f in self.watch:
             f.check()
 
-    def submit(self, streams: list[Stream], neurons: np.ndarray, slots: np.ndarray,
-               slabs: list[memoryview], row_bytes: list[int], count: bool = True) -> list:
-        """Start reading ``neurons`` (int64 ``[m]``) into ``slots`` of ``slabs`` (flat byte views,
-        one per matrix); returns the futures (each returns bytes read). ``count``: add the reads
-        to :attr:`stats` (not for the hot rows read at load)."""
+    def submit(self, streams: list[Stream], neurons: np.ndarray, slots: np.ndarray, slabs: Slabs,
+               count: bool = True) -> list:
+        """Start reading ``neurons`` (int64 ``[m]``) into ``slots`` of ``slabs``; returns the
+        futures (each returns bytes read). ``count``: add the reads to :attr:`stats` (not for the
+        hot rows read at load)."""
         futs = []
-        lib = _lib()
+        lib = self.lib
         for st in streams:
             pos = st.pos[neurons]
             order = np.argsort(pos, kind="stable")
             pos, sl = pos[order], slots[order]
             if lib is not None:
                 futs.append(self.executor.submit(self._c_read, lib, st, np.ascontiguousarray(pos),
-                                                 np.ascontiguousarray(sl), slabs, row_bytes, count))
+                                                 np.ascontiguousarray(sl), slabs, count))
                 continue
             cuts = np.flatnonzero(np.diff(pos) > MAX_GAP + 1) + 1
             for run_pos, run_sl in zip(np.split(pos, cuts), np.split(sl, cuts)):
-                for job in self._iov_jobs(st, run_pos.tolist(), run_sl.tolist(), slabs, row_bytes):
+                for job in self._iov_jobs(st, run_pos.tolist(), run_sl.tolist(), slabs.views, slabs.row_bytes):
                     futs.append(self.executor.submit(_preadv, *job))
                     if count:
                         self.stats.reads += 1
@@ -408,17 +423,15 @@ class RowReader:
             self.stats.neurons += len(neurons)
         return futs
 
-    def _c_read(self, lib, st: Stream, pos: np.ndarray, slots: np.ndarray, slabs, row_bytes, count: bool) -> int:
+    def _c_read(self, lib, st: Stream, pos: np.ndarray, slots: np.ndarray, slabs: Slabs, count: bool) -> int:
         """One stream's records read by ``cold_rows.c`` (in an executor thread: ctypes lets go of the GIL)."""
-        P = ctypes.c_int64 * len(st.parts)
-        offs, lens, mats = (P(*[p[k] for p in st.parts]) for k in range(3))
-        bases = (ctypes.c_void_p * len(slabs))(*[ctypes.addressof(ctypes.c_char.from_buffer(v)) for v in slabs])
-        rbs = (ctypes.c_int64 * len(row_bytes))(*row_bytes)
+        offs, lens, mats = st.c_parts
         out = (ctypes.c_int64 * 5)()
         direct = st.direct
         n = lib.pi_read_records(st.file.dfd if direct else st.file.fd, int(direct), st.base, st.stride,
-                                len(st.parts), offs, lens, mats, bases, rbs, pos.ctypes.data, slots.ctypes.data,
-                                len(pos), MAX_GAP, MAX_JOB, self.threads, self._junk.ctypes.data, self._junk.nbytes,
+                                len(st.parts), offs, lens, mats, slabs.c_bases, slabs.c_row_bytes, pos.ctypes.data,
+                                slots.ctypes.data, len(pos), MAX_GAP, MAX_JOB, self.threads, self._junk.ctypes.data,
+                                self._junk.nbytes,
                                 self._stage_ptr() if direct else None, out)
         if n < 0:
             off, err, got, want = out[1], out[2], out[3], out[4]
@@ -477,9 +490,8 @@ class RowReader:
 
     def drop_cache(self, streams: list[Stream], n_ff: int) -> None:
         """Drop the pages buffered reads of ``streams`` left in the page cache."""
-        lib = _lib()
         for st in streams:
-            if not (lib is not None and st.direct):
+            if not (self.lib is not None and st.direct):
                 st.file.drop_cache(st.base, n_ff * st.stride)
 
     def close(self) -> None:
@@ -520,6 +532,7 @@ class RowPool:
         self.row_bytes = [rb for _, _, rb in parts]
         self.mats = [QWeight(empty((cap, rb), torch.uint8), MAPPED_TYPES[k], cap, n_embd) for _, k, rb in parts]
         self.flat = [memoryview(w.raw.numpy()).cast("B") for w in self.mats]
+        self.slabs = Slabs(self.flat, self.row_bytes)
         self.last = np.full(cap, -1, dtype=np.int64)  # the last step (layer pass) that used the slot
         self.last_token = np.full(cap, -1, dtype=np.int64)  # the last token that used it (eviction order)
         self.token = 0
@@ -571,6 +584,7 @@ class BudgetFFN:
         self.layer, self.family, self.act, self.threshold = layer, family, act, threshold
         self.fc1, self.fc2 = fc1, fc2
         self.gate_b, self.up_b, self.down_b = gate_b, up_b, down_b
+        self.gmin = gate_min(act, gate_b is not None)
         self.streams, self.reader, self.pool = streams, reader, pool
         n_ff = len(hot)
         self.n_ff, self.n_embd = n_ff, n_embd
@@ -591,7 +605,7 @@ class BudgetFFN:
             h0 = int(pool.hot_start[layer])
             slots = np.arange(h0, h0 + self.n_hot, dtype=np.int64)
             t, waited = time.perf_counter(), reader.stats.t_wait
-            reader.wait(reader.submit(streams, hot_ids, slots, pool.flat, self.row_bytes, count=False))
+            reader.wait(reader.submit(streams, hot_ids, slots, pool.slabs, count=False))
             reader.drop_cache(streams, n_ff)
             reader.stats.t_wait = waited
             reader.stats.t_load += time.perf_counter() - t
@@ -655,28 +669,28 @@ class BudgetFFN:
         ids = idx.numpy()
         nh = ~self.is_hot[ids]
         W = self.pool.window
-        if int(nh.sum()) <= W:
-            return self._pass(x, idx)
+        n_cold = int(nh.sum())
+        if n_cold <= W:
+            return self._pass(x, idx, len(ids) - n_cold)
         # more non-pinned neurons than the window holds: passes of at most W of them, sums added
         self.reader.stats.split += 1
         group = (np.cumsum(nh) - nh) // W
         cuts = np.flatnonzero(np.diff(group)) + 1
         out = None
         for sel in np.split(np.arange(len(ids)), cuts):
-            y = self._pass(x, idx[torch.from_numpy(sel)])
+            y = self._pass(x, idx[torch.from_numpy(sel)], len(sel) - int(nh[sel].sum()))
             out = y if out is None else out + y
         return out
 
-    def _pass(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Neurons ``idx`` (at most the window's size of them not pinned): the missing ones read
-        into the least recently used window slots, then computed."""
+    def _pass(self, x: torch.Tensor, idx: torch.Tensor, n_hot: int) -> torch.Tensor:
+        """Neurons ``idx`` (at most the window's size of them not pinned, ``n_hot`` pinned): the
+        missing ones read into the least recently used window slots, then computed."""
         st, pool = self.reader.stats, self.pool
         pool.stamp += 1
         ids = idx.numpy()
         slots = self.slot_of[ids]
         res = slots >= 0
         n_res = int(res.sum())
-        n_hot = int(self.is_hot[ids].sum())
         st.hot_hits += n_hot
         st.window_hits += n_res - n_hot
         pool.last[slots[res]] = pool.stamp
@@ -691,14 +705,14 @@ class BudgetFFN:
                                   "has fewer free slots")
         slots[miss] = take
         try:
-            futs = self.reader.submit(self.streams, need, take, pool.flat, self.row_bytes)
+            futs = self.reader.submit(self.streams, need, take, pool.slabs)
         except BaseException:
             pool.forget(take)
             raise
         res_slots = torch.from_numpy(slots[res])
         try:
             if self.family.gated:  # the resident neurons' gate/up products while the reads are in flight
-                g_r, u_r = kernels.rows_dot(x, res_slots, self.mats[0], self.mats[1], self._gmin())
+                g_r, u_r = kernels.rows_dot(x, res_slots, self.mats[0], self.mats[1], self.gmin)
             else:
                 g_r, u_r = None, kernels.rows_dot(x, res_slots, self.mats[0])[0]
         finally:
@@ -712,7 +726,7 @@ class BudgetFFN:
             self._check_rows(take)
         m_idx = torch.from_numpy(take)
         if self.family.gated:
-            g_m, u_m = kernels.rows_dot(x, m_idx, self.mats[0], self.mats[1], self._gmin())
+            g_m, u_m = kernels.rows_dot(x, m_idx, self.mats[0], self.mats[1], self.gmin)
         else:
             g_m, u_m = None, kernels.rows_dot(x, m_idx, self.mats[0])[0]
         k = len(ids)
@@ -733,12 +747,9 @@ class BudgetFFN:
                 raise PowerInferError(f"{self.streams[0].file.path}: layer {self.layer}: a row read has a NaN or "
                                       "infinite block scale: the file is corrupt or changed while running")
 
-    def _gmin(self):
-        return gate_min(self.act, self.gate_b is not None)
-
     def _compute(self, x: torch.Tensor, idx: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         if self.family.gated:
-            gate, up = kernels.rows_dot(x, slots, self.mats[0], self.mats[1], self._gmin())
+            gate, up = kernels.rows_dot(x, slots, self.mats[0], self.mats[1], self.gmin)
         else:
             gate, up = None, kernels.rows_dot(x, slots, self.mats[0])[0]
         return self._finish(x, idx, slots, gate, up)
