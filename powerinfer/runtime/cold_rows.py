@@ -322,12 +322,11 @@ def open_streams(g: GGUFFile, plan: ResidencyPlan, note=None) -> tuple[list[list
     head = _cache_header(g, plan)
     path = _cache_path(folder, g, head)
     rec = head["record"]
-    want = None
+    data = plan.n_layer * plan.n_ff * rec  # bytes after the header
     found = _read_cache_header(path) if path.is_file() else None
     if found is not None:
         meta, start = found
-        want = start + plan.n_layer * plan.n_ff * rec
-        if meta != head or path.stat().st_size != want:
+        if meta != head or path.stat().st_size != start + data:
             log.warning("%s: does not match %s (or its activation order): rebuilding it", path, g.path)
             found = None
     if found is None:
@@ -340,7 +339,7 @@ def open_streams(g: GGUFFile, plan: ResidencyPlan, note=None) -> tuple[list[list
             raise PowerInferError(f"{path}: the row cache just written does not read back")
     _, start = found
     f = _File(path, direct=True)
-    want = start + plan.n_layer * plan.n_ff * rec
+    want = start + data
     if f.stamp.size != want:
         raise PowerInferError(f"{path}: {f.stamp.size} bytes, expected {want}: "
                               f"a row cache that does not match {g.path}")
@@ -369,12 +368,6 @@ class ReadStats:
     tokens: int = 0  # forward-pass tokens (one per layer-0 call)
     split: int = 0  # token-layer steps whose non-pinned neurons outnumbered the window (several passes)
     t_wait: float = 0.0  # seconds waiting for reads
-    t_load: float = 0.0  # seconds reading the hot rows at load
-
-    def reset(self) -> None:
-        for k in ("reads", "bytes", "neurons", "active", "hot_hits", "window_hits", "tokens", "split"):
-            setattr(self, k, 0)
-        self.t_wait = 0.0
 
 
 class RowReader:
@@ -476,7 +469,9 @@ class RowReader:
             prev = p
         yield st.file, bufs, st.base + start * rec, (prev + 1 - start) * rec
 
-    def wait(self, futs: list) -> None:
+    def wait(self, futs: list, count: bool = True) -> None:
+        """Wait for the reads ``futs``; the first PowerInferError raised. ``count``: add the time to
+        :attr:`ReadStats.t_wait` (not for the hot rows read at load)."""
         t = time.perf_counter()
         err = None
         for f in futs:
@@ -484,7 +479,8 @@ class RowReader:
                 f.result()
             except PowerInferError as e:
                 err = err or e
-        self.stats.t_wait += time.perf_counter() - t
+        if count:
+            self.stats.t_wait += time.perf_counter() - t
         if err is not None:
             raise err
 
@@ -528,7 +524,7 @@ class RowPool:
         self.hot_start = np.concatenate([[0], np.cumsum(n_hot)]).astype(np.int64)
         self.H = int(self.hot_start[-1])
         cap = self.H + int(window)
-        self.cap, self.window = cap, int(window)
+        self.window = int(window)
         self.row_bytes = [rb for _, _, rb in parts]
         self.mats = [QWeight(empty((cap, rb), torch.uint8), MAPPED_TYPES[k], cap, n_embd) for _, k, rb in parts]
         self.flat = [memoryview(w.raw.numpy()).cast("B") for w in self.mats]
@@ -587,7 +583,7 @@ class BudgetFFN:
         self.gmin = gate_min(act, gate_b is not None)
         self.streams, self.reader, self.pool = streams, reader, pool
         n_ff = len(hot)
-        self.n_ff, self.n_embd = n_ff, n_embd
+        self.n_ff = n_ff
         hot_ids = np.flatnonzero(hot).astype(np.int64)
         self.n_hot = len(hot_ids)
         if self.n_hot != pool.hot_start[layer + 1] - pool.hot_start[layer]:
@@ -604,11 +600,8 @@ class BudgetFFN:
         if self.n_hot:
             h0 = int(pool.hot_start[layer])
             slots = np.arange(h0, h0 + self.n_hot, dtype=np.int64)
-            t, waited = time.perf_counter(), reader.stats.t_wait
-            reader.wait(reader.submit(streams, hot_ids, slots, pool.slabs, count=False))
+            reader.wait(reader.submit(streams, hot_ids, slots, pool.slabs, count=False), count=False)
             reader.drop_cache(streams, n_ff)
-            reader.stats.t_wait = waited
-            reader.stats.t_load += time.perf_counter() - t
             self.slot_of[hot_ids] = slots
             pool.owner[slots], pool.neuron_of[slots] = layer, hot_ids
             for w in pool.mats if reader.verify else ():  # NaN/inf block scales: a corrupt file (the
@@ -616,7 +609,6 @@ class BudgetFFN:
                 if bad is not None:  # row cache's rows were checked when it was written)
                     raise PowerInferError(f"{streams[0].file.path}: layer {layer} neuron {hot_ids[bad]} has a NaN or "
                                           "infinite block scale: the file is corrupt")
-        self.rows_max_share = 0.0
         self.n_active = self.n_calls = self.n_fired = 0
         self.count_fired = False
         self.t_ffn = self.t_predict = 0.0
@@ -737,7 +729,7 @@ class BudgetFFN:
         if self.family.gated:
             gate = torch.empty(k, dtype=torch.float32)
             gate[res_t], gate[miss_t] = g_r, g_m
-        return self._finish(x, idx, torch.from_numpy(slots), gate, up)
+        return self._finish(idx, torch.from_numpy(slots), gate, up)
 
     def _check_rows(self, slots: np.ndarray) -> None:
         for w in self.mats:
@@ -752,9 +744,9 @@ class BudgetFFN:
             gate, up = kernels.rows_dot(x, slots, self.mats[0], self.mats[1], self.gmin)
         else:
             gate, up = None, kernels.rows_dot(x, slots, self.mats[0])[0]
-        return self._finish(x, idx, slots, gate, up)
+        return self._finish(idx, slots, gate, up)
 
-    def _finish(self, x, idx, slots, gate, up):
+    def _finish(self, idx, slots, gate, up):
         return finish_rows(self, idx, gate, up, self.mats[-1], slots, torch.float32)
 
 
