@@ -333,3 +333,19 @@ def test_server_refuses_budget_with_several_slots(model_dir):
 
     r = CliRunner().invoke(server_main, ["-m", str(model_dir), "--ram-budget", "3", "-np", "2", "--port", "0"])
     assert r.exit_code != 0 and "--ram-budget with -np > 1" in r.output
+
+
+def test_open_streams_leaves_nothing_open_when_it_fails(model_dir, cache_dir, monkeypatch):
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc/self/fd")
+    g = open_gguf(model_dir)
+    plan = plan_residency(g, 64, torch.float32, 1e6)
+
+    def fail(*a, **k):
+        raise PowerInferError("disk full")
+
+    monkeypatch.setattr(cold_rows, "write_row_cache", fail)
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(PowerInferError, match="disk full"):
+        cold_rows.open_streams(g, plan)
+    assert len(os.listdir("/proc/self/fd")) == before

@@ -308,17 +308,29 @@ def write_row_cache(g: GGUFFile, plan: ResidencyPlan, path: Path) -> None:
 
 
 def open_streams(g: GGUFFile, plan: ResidencyPlan, note=None) -> tuple[list[list[Stream]], list[_File], str]:
-    """Per layer the streams its FFN rows are read from, the files opened, and a description.
-    Uses (building it when missing or stale) the row cache unless ``$POWERINFER_ROW_CACHE=off``."""
+    """Per layer the streams its FFN rows are read from, the files opened (the one read first; the
+    GGUF, when only watched, after it: :class:`RowReader` checks and closes them all), and a
+    description. Uses (building it when missing or stale) the row cache unless
+    ``$POWERINFER_ROW_CACHE=off``. Nothing stays open when it raises."""
     folder = default_cache_dir()
     gguf = _File(Path(g.path))
-    if folder is None:
-        streams = []
-        for i in range(plan.n_layer):
-            streams.append([Stream(gguf, int(g.tensors[f"blk.{i}.{s}"].data_offset), rb, [(0, rb, m)],
-                                   np.arange(plan.n_ff, dtype=np.int64))
-                            for m, (s, _, rb) in enumerate(plan.parts)])
-        return streams, [gguf], f"rows read from {g.path} (3 reads per neuron)"
+    try:
+        if folder is None:
+            streams = []
+            for i in range(plan.n_layer):
+                streams.append([Stream(gguf, int(g.tensors[f"blk.{i}.{s}"].data_offset), rb, [(0, rb, m)],
+                                       np.arange(plan.n_ff, dtype=np.int64))
+                                for m, (s, _, rb) in enumerate(plan.parts)])
+            return streams, [gguf], f"rows read from {g.path} (3 reads per neuron)"
+        streams, f, where = _cache_streams(g, plan, folder, note)
+    except BaseException:
+        gguf.close()
+        raise
+    return streams, [f, gguf], where  # the GGUF's identity is still checked (RowReader.check)
+
+
+def _cache_streams(g: GGUFFile, plan: ResidencyPlan, folder: Path, note) -> tuple[list[list[Stream]], _File, str]:
+    """:func:`open_streams` from the row cache in ``folder`` (written when missing or stale)."""
     head = _cache_header(g, plan)
     path = _cache_path(folder, g, head)
     rec = head["record"]
@@ -339,9 +351,9 @@ def open_streams(g: GGUFFile, plan: ResidencyPlan, note=None) -> tuple[list[list
             raise PowerInferError(f"{path}: the row cache just written does not read back")
     _, start = found
     f = _File(path, direct=True)
-    want = start + data
-    if f.stamp.size != want:
-        raise PowerInferError(f"{path}: {f.stamp.size} bytes, expected {want}: "
+    if f.stamp.size != start + data:
+        f.close()
+        raise PowerInferError(f"{path}: {f.stamp.size} bytes, expected {start + data}: "
                               f"a row cache that does not match {g.path}")
     streams = []
     parts, o = [], 0
@@ -352,8 +364,7 @@ def open_streams(g: GGUFFile, plan: ResidencyPlan, note=None) -> tuple[list[list
         pos = np.empty(plan.n_ff, dtype=np.int64)
         pos[plan.order[i]] = np.arange(plan.n_ff)
         streams.append([Stream(f, start + i * plan.n_ff * rec, rec, parts, pos)])
-    gguf.close()  # the GGUF's identity is checked by the model's own map (RowReader.watch)
-    return streams, [f], f"rows read from the row cache {path} (1 read per neuron)"
+    return streams, f, f"rows read from the row cache {path} (1 read per neuron)"
 
 
 # ---------------------------------------------------------------------------- the reader
@@ -373,9 +384,8 @@ class ReadStats:
 class RowReader:
     """Reads neurons' rows into slab slots; one per model (a thread pool shared by the layers)."""
 
-    def __init__(self, files: list[_File], watch: list[_File] | None = None, threads: int = IO_THREADS):
-        self.files = files
-        self.watch = list(files) + list(watch or [])
+    def __init__(self, files: list[_File], threads: int = IO_THREADS):
+        self.files = files  # read from or watched (check), closed by close()
         self.threads = threads
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="powerinfer-rows")
         self.stats = ReadStats()
@@ -387,7 +397,7 @@ class RowReader:
 
     def check(self) -> None:
         """PowerInferError when a file read from changed since it was opened."""
-        for f in self.watch:
+        for f in self.files:
             f.check()
 
     def submit(self, streams: list[Stream], neurons: np.ndarray, slots: np.ndarray, slabs: Slabs,
@@ -808,24 +818,24 @@ def load_budgeted(g: GGUFFile, dtype: torch.dtype, n_ctx: int | None, budget_gib
     counts, source = activation_counts(str(g.path), activation_dir, a.n_layer, a.n_ff) if a.sparse else (None, "")
     plan = plan_residency(g, ctx, dtype, budget_gib, counts, source, interpreter)
     streams, files, where = open_streams(g, plan, note)
-    reader = RowReader(files, watch=[_File(Path(g.path))])
-    reader.verify = files[0].path == Path(g.path)
-    reader.pool = RowPool(plan.parts, a.n_embd, [int(h.sum()) for h in plan.hot], plan.window_slots * plan.n_layer)
+    reader = RowReader(files)
     try:
+        reader.verify = files[0].path == Path(g.path)
+        reader.pool = RowPool(plan.parts, a.n_embd, [int(h.sum()) for h in plan.hot], plan.window_slots * plan.n_layer)
         model = Transformer(g, dtype, n_ctx=n_ctx, ffn_builder=_builder(plan, streams, reader, reader.pool))
+        embd = g.tensors.get("token_embd.weight")
+        tied = model.output is model.tok_embd
+
+        def before_forward() -> None:
+            reader.check()
+            if embd is not None and not tied:  # rows looked up on demand: their pages do not pile up
+                _release(g, embd)
+
+        before_forward()
     except BaseException:
         reader.close()
         raise
-    embd = g.tensors.get("token_embd.weight")
-    tied = model.output is model.tok_embd
-
-    def before_forward() -> None:
-        reader.check()
-        if embd is not None and not tied:  # rows looked up on demand: their pages do not pile up
-            _release(g, embd)
-
-    before_forward()
-    for f in reader.watch:  # what loading read through the page cache
+    for f in reader.files:  # what loading read through the page cache
         f.drop_cache(0, f.stamp.size)
     model.before_forward = before_forward
     model.residency = (plan, reader, where)
