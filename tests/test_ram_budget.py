@@ -349,3 +349,13 @@ def test_open_streams_leaves_nothing_open_when_it_fails(model_dir, cache_dir, mo
     with pytest.raises(PowerInferError, match="disk full"):
         cold_rows.open_streams(g, plan)
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_reuse_window_holds_at_most_the_neurons_not_pinned(model_dir):
+    g = open_gguf(model_dir)
+    counts, source = cold_rows.activation_counts(str(model_dir), None, N_LAYER, N_FF)
+    plan = plan_residency(g, 64, torch.float32, 1e6, counts, source)  # room for every neuron
+    cold = N_LAYER * N_FF - plan.n_hot
+    assert plan.window_slots * N_LAYER > cold
+    assert plan.window_total == cold and plan.window_bytes == cold * plan.neuron_bytes
+    assert f"reuse window {cold} neurons ({plan.window_bytes / 1e6:.0f} MB)" in plan.summary()

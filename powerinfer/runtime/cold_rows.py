@@ -821,7 +821,7 @@ def load_budgeted(g: GGUFFile, dtype: torch.dtype, n_ctx: int | None, budget_gib
     reader = RowReader(files)
     try:
         reader.verify = files[0].path == Path(g.path)
-        reader.pool = RowPool(plan.parts, a.n_embd, [int(h.sum()) for h in plan.hot], plan.window_slots * plan.n_layer)
+        reader.pool = RowPool(plan.parts, a.n_embd, [int(h.sum()) for h in plan.hot], plan.window_total)
         model = Transformer(g, dtype, n_ctx=n_ctx, ffn_builder=_builder(plan, streams, reader, reader.pool))
         embd = g.tensors.get("token_embd.weight")
         tied = model.output is model.tok_embd
