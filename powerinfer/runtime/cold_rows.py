@@ -1,7 +1,8 @@
 """Cold FFN rows read from disk under a RAM budget (``--ram-budget``; plan in :mod:`.residency`).
 
 **Sources.** A neuron's rows are read either from the PowerInfer GGUF itself (gate, up and
-down_t rows of neuron ``j`` lie in three tensors: three reads, in neuron order) or from a
+down_t rows of neuron ``j`` lie in three tensors, up and down_t in two for ungated families: one
+read per tensor, in neuron order) or from a
 *row cache*: one file beside the kernels' cache (``~/.cache/powerinfer/rows/``, or
 ``$POWERINFER_ROW_CACHE``, a folder) holding, per layer, each neuron's gate, up and down
 rows as one record (padded to whole pages), the layer's hot neurons first, then by
@@ -122,17 +123,24 @@ class _File:
         self.fd = self.dfd = -1
 
 
+def _read_failed(f: _File, off: int, n: int, got: int, err: str | None = None) -> PowerInferError:
+    """The error for a read of ``n`` bytes at ``off`` that failed (``err``) or returned ``got``."""
+    if err is not None:
+        return PowerInferError(f"{f.path}: read error at offset {off} ({n} bytes): {err}")
+    return PowerInferError(f"{f.path}: short read at offset {off}: {got} of {n} bytes (the file is "
+                           f"{os.fstat(f.fd).st_size} bytes now, {f.stamp.size} when opened): "
+                           "it changed while running")
+
+
 def _preadv(f: _File, bufs: list, off: int, n: int) -> int:
     """Read ``n`` bytes at ``off`` into ``bufs``; PowerInferError naming the file and offset on an
     error or a short read."""
     try:
         got = os.preadv(f.fd, bufs, off)
     except OSError as e:
-        raise PowerInferError(f"{f.path}: read error at offset {off} ({n} bytes): {e.strerror or e}") from None
+        raise _read_failed(f, off, n, 0, str(e.strerror or e)) from None
     if got != n:
-        raise PowerInferError(f"{f.path}: short read at offset {off}: {got} of {n} bytes (the file is "
-                              f"{os.fstat(f.fd).st_size} bytes now, {f.stamp.size} when opened): "
-                              "it changed while running")
+        raise _read_failed(f, off, n, got)
     return got
 
 
@@ -321,7 +329,7 @@ def open_streams(g: GGUFFile, plan: ResidencyPlan, note=None) -> tuple[list[list
                 streams.append([Stream(gguf, int(g.tensors[f"blk.{i}.{s}"].data_offset), rb, [(0, rb, m)],
                                        np.arange(plan.n_ff, dtype=np.int64))
                                 for m, (s, _, rb) in enumerate(plan.parts)])
-            return streams, [gguf], f"rows read from {g.path} (3 reads per neuron)"
+            return streams, [gguf], f"rows read from {g.path} ({len(plan.parts)} reads per neuron)"
         streams, f, where = _cache_streams(g, plan, folder, note)
     except BaseException:
         gguf.close()
@@ -438,11 +446,7 @@ class RowReader:
                                 self._stage_ptr() if direct else None, out)
         if n < 0:
             off, err, got, want = out[1], out[2], out[3], out[4]
-            if err:
-                raise PowerInferError(f"{st.file.path}: read error at offset {off} ({want} bytes): {os.strerror(err)}")
-            raise PowerInferError(f"{st.file.path}: short read at offset {off}: {got} of {want} bytes (the file is "
-                                  f"{os.fstat(st.file.fd).st_size} bytes now, {st.file.stamp.size} when opened): it "
-                                  "changed while running")
+            raise _read_failed(st.file, off, want, got, os.strerror(err) if err else None)
         if count:
             self.stats.reads += n
             self.stats.bytes += out[0]
