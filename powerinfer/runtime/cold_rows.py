@@ -767,23 +767,11 @@ class BudgetFFN:
 # ---------------------------------------------------------------------------- loading
 def _builder(plan: ResidencyPlan, streams: list[list[Stream]], reader: RowReader, pool: RowPool):
     """A ``build_ffn`` stand-in (same arguments) that builds :class:`BudgetFFN` layers."""
-    from .model import load_tensor
-    from .weights import load_matrix
+    from .model import load_ffn_biases, load_predictor
 
     def build(g: GGUFFile, i: int, a, dtype: torch.dtype, dense: bool, mapped: bool = False) -> BudgetFFN:
-        p = f"blk.{i}."
-        fc1 = load_matrix(g, p + "fc1.weight", dtype, mapped, dense_use=True)
-        fc2 = load_matrix(g, p + "fc2.weight", dtype, mapped, dense_use=True)
-        if fc1.shape[1] != a.n_embd or fc2.shape != (a.n_ff, fc1.shape[0]):
-            raise PowerInferError(f"{g.path}: blk.{i} predictor shapes {tuple(fc1.shape)}, "
-                                  f"{tuple(fc2.shape)} do not match the model")
-        gate_b = up_b = down_b = None
-        if a.family.ffn_bias:
-            gate_b = load_tensor(g, p + "ffn_gate.bias", dtype) if a.family.gated else None
-            up_b = load_tensor(g, p + "ffn_up.bias", dtype)
-            down_b = load_tensor(g, p + "ffn_down_t.bias", dtype)
-            if up_b.shape != (a.n_ff,) or down_b.shape != (a.n_embd,):
-                raise PowerInferError(f"{g.path}: blk.{i} FFN bias shapes do not match n_ff/n_embd")
+        fc1, fc2 = load_predictor(g, i, a, dtype, mapped)
+        gate_b, up_b, down_b = load_ffn_biases(g, i, a, dtype)  # a PWRI file: ffn_down_t.bias
         return BudgetFFN(i, a.family, a.activation, fc1, fc2, a.sparse_threshold, plan.parts, a.n_embd,
                          plan.hot[i], pool, streams[i], reader, gate_b, up_b, down_b)
 

@@ -235,19 +235,38 @@ def build_ffn(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype, dense: bool
         if w is not None and tuple(w.shape) != (a.n_ff, a.n_embd):
             raise PowerInferError(f"{g.path}: blk.{i}.{name} has shape {tuple(w.shape)}, "
                                   f"expected [n_ff={a.n_ff}, n_embd={a.n_embd}]")
-    if fam.ffn_bias:
-        ffn.gate_b = load_tensor(g, p + "ffn_gate.bias", dtype) if fam.gated else None
-        ffn.up_b = load_tensor(g, p + "ffn_up.bias", dtype)
-        ffn.down_b = load_tensor(g, f"{p}{down}.bias", dtype)
-        if ffn.up_b.shape != (a.n_ff,) or ffn.down_b.shape != (a.n_embd,):
-            raise PowerInferError(f"{g.path}: blk.{i} FFN bias shapes do not match n_ff/n_embd")
+    ffn.gate_b, ffn.up_b, ffn.down_b = load_ffn_biases(g, i, a, dtype)
     if a.sparse and not dense:
-        ffn.fc1 = load_matrix(g, p + "fc1.weight", dtype, mapped, dense_use=True)
-        ffn.fc2 = load_matrix(g, p + "fc2.weight", dtype, mapped, dense_use=True)
-        if ffn.fc1.shape[1] != a.n_embd or ffn.fc2.shape != (a.n_ff, ffn.fc1.shape[0]):
-            raise PowerInferError(f"{g.path}: blk.{i} predictor shapes {tuple(ffn.fc1.shape)}, "
-                                  f"{tuple(ffn.fc2.shape)} do not match the model")
+        ffn.fc1, ffn.fc2 = load_predictor(g, i, a, dtype, mapped)
     return ffn
+
+
+def load_ffn_biases(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype):
+    """Layer ``i``'s FFN biases ``(gate [F] | None, up [F], down [D])`` when the family has them
+    (``ffn_down_t.bias`` in a PWRI file, ``ffn_down.bias`` in a dense one), else three Nones.
+    Raises PowerInferError for wrong shapes."""
+    if not a.family.ffn_bias:
+        return None, None, None
+    p = f"blk.{i}."
+    down = "ffn_down_t" if a.sparse else "ffn_down"
+    gate_b = load_tensor(g, p + "ffn_gate.bias", dtype) if a.family.gated else None
+    up_b = load_tensor(g, p + "ffn_up.bias", dtype)
+    down_b = load_tensor(g, f"{p}{down}.bias", dtype)
+    if up_b.shape != (a.n_ff,) or down_b.shape != (a.n_embd,):
+        raise PowerInferError(f"{g.path}: blk.{i} FFN bias shapes do not match n_ff/n_embd")
+    return gate_b, up_b, down_b
+
+
+def load_predictor(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype, mapped: bool = False):
+    """Layer ``i``'s predictor ``(fc1 [H, D], fc2 [F, H])`` of a PWRI file; PowerInferError for
+    shapes that do not match the model."""
+    p = f"blk.{i}."
+    fc1 = load_matrix(g, p + "fc1.weight", dtype, mapped, dense_use=True)
+    fc2 = load_matrix(g, p + "fc2.weight", dtype, mapped, dense_use=True)
+    if fc1.shape[1] != a.n_embd or fc2.shape != (a.n_ff, fc1.shape[0]):
+        raise PowerInferError(f"{g.path}: blk.{i} predictor shapes {tuple(fc1.shape)}, "
+                              f"{tuple(fc2.shape)} do not match the model")
+    return fc1, fc2
 
 
 def context_length(g: GGUFFile, a: ModelArgs, n_ctx: int | None) -> tuple[int, int]:
