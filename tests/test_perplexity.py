@@ -169,6 +169,7 @@ def test_cli_compare(demo_pwri, text_file):
     (["-b", 0], "-b 0"),
     (["--compare"], "no predictors"),
     (["--oracle"], "no predictors"),
+    (["--ram-budget", 3], "--ram-budget needs a PowerInfer GGUF"),
     (["--dense", "--compare"], "exclude each other"),
 ])
 def test_cli_bad_options(stories_gguf, text_file, args, needle):

@@ -173,8 +173,8 @@ def test_short_read_names_file_and_offset(tmp_path):
         st = cold_rows.Stream(f, 0, 100, [(0, 100, 0)], np.arange(20, dtype=np.int64))
         slab = bytearray(300)
         with pytest.raises(PowerInferError, match=rf"{p}: short read at offset 900: 100 of 200 bytes"):
-            reader._c_read(lib, st, np.array([9, 10]), np.array([0, 1]), [memoryview(slab)], [100], True)
-        assert reader._c_read(lib, st, np.array([2, 4]), np.array([0, 2]), [memoryview(slab)], [100], True) == 300
+            reader._c_read(lib, st, np.array([9, 10]), np.array([0, 1]), cold_rows.Slabs([memoryview(slab)], [100]), True)
+        assert reader._c_read(lib, st, np.array([2, 4]), np.array([0, 2]), cold_rows.Slabs([memoryview(slab)], [100]), True) == 300
         assert reader.stats.reads == 1 and reader.stats.bytes == 300  # records 2..4, record 3 into junk
     f.close()
 
@@ -296,7 +296,7 @@ def test_c_reader_scatters_parts_of_merged_records(tmp_path, monkeypatch, direct
     assert st.direct == direct
     reader = cold_rows.RowReader([f])
     a, b = bytearray(4 * 50), bytearray(4 * 60)
-    reader._c_read(lib, st, np.array([1, 2, 5]), np.array([3, 0, 2]), [memoryview(a), memoryview(b)], [50, 60], True)
+    reader._c_read(lib, st, np.array([1, 2, 5]), np.array([3, 0, 2]), cold_rows.Slabs([memoryview(a), memoryview(b)], [50, 60]), True)
     assert reader.stats.reads == 1 and reader.stats.bytes == 5 * 4096
     for rec, slot in ((1, 3), (2, 0), (5, 2)):
         assert a[slot * 50:(slot + 1) * 50] == data[rec * 4096 + 100:rec * 4096 + 150].tobytes()
@@ -333,3 +333,29 @@ def test_server_refuses_budget_with_several_slots(model_dir):
 
     r = CliRunner().invoke(server_main, ["-m", str(model_dir), "--ram-budget", "3", "-np", "2", "--port", "0"])
     assert r.exit_code != 0 and "--ram-budget with -np > 1" in r.output
+
+
+def test_open_streams_leaves_nothing_open_when_it_fails(model_dir, cache_dir, monkeypatch):
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc/self/fd")
+    g = open_gguf(model_dir)
+    plan = plan_residency(g, 64, torch.float32, 1e6)
+
+    def fail(*a, **k):
+        raise PowerInferError("disk full")
+
+    monkeypatch.setattr(cold_rows, "write_row_cache", fail)
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(PowerInferError, match="disk full"):
+        cold_rows.open_streams(g, plan)
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_reuse_window_holds_at_most_the_neurons_not_pinned(model_dir):
+    g = open_gguf(model_dir)
+    counts, source = cold_rows.activation_counts(str(model_dir), None, N_LAYER, N_FF)
+    plan = plan_residency(g, 64, torch.float32, 1e6, counts, source)  # room for every neuron
+    cold = N_LAYER * N_FF - plan.n_hot
+    assert plan.window_slots * N_LAYER > cold
+    assert plan.window_total == cold and plan.window_bytes == cold * plan.neuron_bytes
+    assert f"reuse window {cold} neurons ({plan.window_bytes / 1e6:.0f} MB)" in plan.summary()

@@ -188,6 +188,9 @@ def main(model_path, text_path, ctx_size, n_chunks, n_batch, threads, dtype, den
         flag = "--oracle" if oracle else "--compare"
         raise PowerInferError(f"{model_path}: a dense GGUF (no predictors): {flag} needs a PowerInfer GGUF "
                               "(PWRI, from pi-convert MODEL PRED_DIR); without the flag it is evaluated dense")
+    if ram_budget is not None and not sparse_file:  # as pi-run: a budget is not silently ignored
+        raise PowerInferError(f"{model_path}: a dense GGUF (no predictors): --ram-budget needs a PowerInfer GGUF "
+                              "(PWRI, from pi-convert MODEL PRED_DIR) whose predictors say which FFN rows to read")
     s = Setup(model_path, text, ctx_size or None, n_chunks, n_batch, threads, dtype,
               ram_budget=ram_budget, activation_dir=activation_dir)
     if not compare:

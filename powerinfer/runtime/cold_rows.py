@@ -1,7 +1,8 @@
 """Cold FFN rows read from disk under a RAM budget (``--ram-budget``; plan in :mod:`.residency`).
 
 **Sources.** A neuron's rows are read either from the PowerInfer GGUF itself (gate, up and
-down_t rows of neuron ``j`` lie in three tensors: three reads, in neuron order) or from a
+down_t rows of neuron ``j`` lie in three tensors, up and down_t in two for ungated families: one
+read per tensor, in neuron order) or from a
 *row cache*: one file beside the kernels' cache (``~/.cache/powerinfer/rows/``, or
 ``$POWERINFER_ROW_CACHE``, a folder) holding, per layer, each neuron's gate, up and down
 rows as one record (padded to whole pages), the layer's hot neurons first, then by
@@ -44,7 +45,7 @@ import subprocess
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -122,17 +123,24 @@ class _File:
         self.fd = self.dfd = -1
 
 
+def _read_failed(f: _File, off: int, n: int, got: int, err: str | None = None) -> PowerInferError:
+    """The error for a read of ``n`` bytes at ``off`` that failed (``err``) or returned ``got``."""
+    if err is not None:
+        return PowerInferError(f"{f.path}: read error at offset {off} ({n} bytes): {err}")
+    return PowerInferError(f"{f.path}: short read at offset {off}: {got} of {n} bytes (the file is "
+                           f"{os.fstat(f.fd).st_size} bytes now, {f.stamp.size} when opened): "
+                           "it changed while running")
+
+
 def _preadv(f: _File, bufs: list, off: int, n: int) -> int:
     """Read ``n`` bytes at ``off`` into ``bufs``; PowerInferError naming the file and offset on an
     error or a short read."""
     try:
         got = os.preadv(f.fd, bufs, off)
     except OSError as e:
-        raise PowerInferError(f"{f.path}: read error at offset {off} ({n} bytes): {e.strerror or e}") from None
+        raise _read_failed(f, off, n, 0, str(e.strerror or e)) from None
     if got != n:
-        raise PowerInferError(f"{f.path}: short read at offset {off}: {got} of {n} bytes (the file is "
-                              f"{os.fstat(f.fd).st_size} bytes now, {f.stamp.size} when opened): "
-                              "it changed while running")
+        raise _read_failed(f, off, n, got)
     return got
 
 
@@ -189,11 +197,25 @@ class Stream:
     stride: int
     parts: list[tuple[int, int, int]]
     pos: np.ndarray  # int64 [n_ff]
+    direct: bool = field(init=False)  # read with O_DIRECT (page-aligned records, a file opened so)
+    c_parts: tuple = field(init=False, repr=False)  # the parts' offsets, lengths, matrices for cold_rows.c
 
-    @property
-    def direct(self) -> bool:
-        """Read with O_DIRECT (page-aligned records, a file opened so), bypassing the page cache."""
-        return self.file.dfd >= 0 and self.base % PAGE == 0 and self.stride % PAGE == 0 and self.stride <= MAX_JOB
+    def __post_init__(self):
+        self.direct = (self.file.dfd >= 0 and self.base % PAGE == 0 and self.stride % PAGE == 0
+                       and self.stride <= MAX_JOB)
+        P = ctypes.c_int64 * len(self.parts)
+        self.c_parts = tuple(P(*[p[k] for p in self.parts]) for k in range(3))
+
+
+class Slabs:
+    """Where reads land: one flat byte view per FFN matrix (``views``) and its row bytes, with the
+    arrays ``cold_rows.c`` takes built once."""
+
+    def __init__(self, views: list[memoryview], row_bytes: list[int]):
+        self.views, self.row_bytes = views, list(row_bytes)
+        self.c_bases = (ctypes.c_void_p * len(views))(*[ctypes.addressof(ctypes.c_char.from_buffer(v))
+                                                        for v in views])
+        self.c_row_bytes = (ctypes.c_int64 * len(self.row_bytes))(*self.row_bytes)
 
 
 def _page_round(n: int) -> int:
@@ -294,26 +316,37 @@ def write_row_cache(g: GGUFFile, plan: ResidencyPlan, path: Path) -> None:
 
 
 def open_streams(g: GGUFFile, plan: ResidencyPlan, note=None) -> tuple[list[list[Stream]], list[_File], str]:
-    """Per layer the streams its FFN rows are read from, the files opened, and a description.
-    Uses (building it when missing or stale) the row cache unless ``$POWERINFER_ROW_CACHE=off``."""
+    """Per layer the streams its FFN rows are read from, the files opened (the one read first; the
+    GGUF, when only watched, after it: :class:`RowReader` checks and closes them all), and a
+    description. Uses (building it when missing or stale) the row cache unless
+    ``$POWERINFER_ROW_CACHE=off``. Nothing stays open when it raises."""
     folder = default_cache_dir()
     gguf = _File(Path(g.path))
-    if folder is None:
-        streams = []
-        for i in range(plan.n_layer):
-            streams.append([Stream(gguf, int(g.tensors[f"blk.{i}.{s}"].data_offset), rb, [(0, rb, m)],
-                                   np.arange(plan.n_ff, dtype=np.int64))
-                            for m, (s, _, rb) in enumerate(plan.parts)])
-        return streams, [gguf], f"rows read from {g.path} (3 reads per neuron)"
+    try:
+        if folder is None:
+            streams = []
+            for i in range(plan.n_layer):
+                streams.append([Stream(gguf, int(g.tensors[f"blk.{i}.{s}"].data_offset), rb, [(0, rb, m)],
+                                       np.arange(plan.n_ff, dtype=np.int64))
+                                for m, (s, _, rb) in enumerate(plan.parts)])
+            return streams, [gguf], f"rows read from {g.path} ({len(plan.parts)} reads per neuron)"
+        streams, f, where = _cache_streams(g, plan, folder, note)
+    except BaseException:
+        gguf.close()
+        raise
+    return streams, [f, gguf], where  # the GGUF's identity is still checked (RowReader.check)
+
+
+def _cache_streams(g: GGUFFile, plan: ResidencyPlan, folder: Path, note) -> tuple[list[list[Stream]], _File, str]:
+    """:func:`open_streams` from the row cache in ``folder`` (written when missing or stale)."""
     head = _cache_header(g, plan)
     path = _cache_path(folder, g, head)
     rec = head["record"]
-    want = None
+    data = plan.n_layer * plan.n_ff * rec  # bytes after the header
     found = _read_cache_header(path) if path.is_file() else None
     if found is not None:
         meta, start = found
-        want = start + plan.n_layer * plan.n_ff * rec
-        if meta != head or path.stat().st_size != want:
+        if meta != head or path.stat().st_size != start + data:
             log.warning("%s: does not match %s (or its activation order): rebuilding it", path, g.path)
             found = None
     if found is None:
@@ -326,9 +359,9 @@ def open_streams(g: GGUFFile, plan: ResidencyPlan, note=None) -> tuple[list[list
             raise PowerInferError(f"{path}: the row cache just written does not read back")
     _, start = found
     f = _File(path, direct=True)
-    want = start + plan.n_layer * plan.n_ff * rec
-    if f.stamp.size != want:
-        raise PowerInferError(f"{path}: {f.stamp.size} bytes, expected {want}: "
+    if f.stamp.size != start + data:
+        f.close()
+        raise PowerInferError(f"{path}: {f.stamp.size} bytes, expected {start + data}: "
                               f"a row cache that does not match {g.path}")
     streams = []
     parts, o = [], 0
@@ -339,8 +372,7 @@ def open_streams(g: GGUFFile, plan: ResidencyPlan, note=None) -> tuple[list[list
         pos = np.empty(plan.n_ff, dtype=np.int64)
         pos[plan.order[i]] = np.arange(plan.n_ff)
         streams.append([Stream(f, start + i * plan.n_ff * rec, rec, parts, pos)])
-    gguf.close()  # the GGUF's identity is checked by the model's own map (RowReader.watch)
-    return streams, [f], f"rows read from the row cache {path} (1 read per neuron)"
+    return streams, f, f"rows read from the row cache {path} (1 read per neuron)"
 
 
 # ---------------------------------------------------------------------------- the reader
@@ -355,51 +387,45 @@ class ReadStats:
     tokens: int = 0  # forward-pass tokens (one per layer-0 call)
     split: int = 0  # token-layer steps whose non-pinned neurons outnumbered the window (several passes)
     t_wait: float = 0.0  # seconds waiting for reads
-    t_load: float = 0.0  # seconds reading the hot rows at load
-
-    def reset(self) -> None:
-        for k in ("reads", "bytes", "neurons", "active", "hot_hits", "window_hits", "tokens", "split"):
-            setattr(self, k, 0)
-        self.t_wait = 0.0
 
 
 class RowReader:
     """Reads neurons' rows into slab slots; one per model (a thread pool shared by the layers)."""
 
-    def __init__(self, files: list[_File], watch: list[_File] | None = None, threads: int = IO_THREADS):
-        self.files = files
-        self.watch = list(files) + list(watch or [])
+    def __init__(self, files: list[_File], threads: int = IO_THREADS):
+        self.files = files  # read from or watched (check), closed by close()
         self.threads = threads
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="powerinfer-rows")
         self.stats = ReadStats()
         self.verify = False  # check the block scales of every row read (rows straight from the GGUF)
         self.pool: RowPool | None = None
+        self.lib = _lib()  # None: os.preadv from the thread pool
         self._junk = np.empty(1 << 20, dtype=np.uint8)
         self._jv = memoryview(self._junk)
 
     def check(self) -> None:
         """PowerInferError when a file read from changed since it was opened."""
-        for f in self.watch:
+        for f in self.files:
             f.check()
 
-    def submit(self, streams: list[Stream], neurons: np.ndarray, slots: np.ndarray,
-               slabs: list[memoryview], row_bytes: list[int], count: bool = True) -> list:
-        """Start reading ``neurons`` (int64 ``[m]``) into ``slots`` of ``slabs`` (flat byte views,
-        one per matrix); returns the futures (each returns bytes read). ``count``: add the reads
-        to :attr:`stats` (not for the hot rows read at load)."""
+    def submit(self, streams: list[Stream], neurons: np.ndarray, slots: np.ndarray, slabs: Slabs,
+               count: bool = True) -> list:
+        """Start reading ``neurons`` (int64 ``[m]``) into ``slots`` of ``slabs``; returns the
+        futures (each returns bytes read). ``count``: add the reads to :attr:`stats` (not for the
+        hot rows read at load)."""
         futs = []
-        lib = _lib()
+        lib = self.lib
         for st in streams:
             pos = st.pos[neurons]
             order = np.argsort(pos, kind="stable")
             pos, sl = pos[order], slots[order]
             if lib is not None:
                 futs.append(self.executor.submit(self._c_read, lib, st, np.ascontiguousarray(pos),
-                                                 np.ascontiguousarray(sl), slabs, row_bytes, count))
+                                                 np.ascontiguousarray(sl), slabs, count))
                 continue
             cuts = np.flatnonzero(np.diff(pos) > MAX_GAP + 1) + 1
             for run_pos, run_sl in zip(np.split(pos, cuts), np.split(sl, cuts)):
-                for job in self._iov_jobs(st, run_pos.tolist(), run_sl.tolist(), slabs, row_bytes):
+                for job in self._iov_jobs(st, run_pos.tolist(), run_sl.tolist(), slabs.views, slabs.row_bytes):
                     futs.append(self.executor.submit(_preadv, *job))
                     if count:
                         self.stats.reads += 1
@@ -408,25 +434,19 @@ class RowReader:
             self.stats.neurons += len(neurons)
         return futs
 
-    def _c_read(self, lib, st: Stream, pos: np.ndarray, slots: np.ndarray, slabs, row_bytes, count: bool) -> int:
+    def _c_read(self, lib, st: Stream, pos: np.ndarray, slots: np.ndarray, slabs: Slabs, count: bool) -> int:
         """One stream's records read by ``cold_rows.c`` (in an executor thread: ctypes lets go of the GIL)."""
-        P = ctypes.c_int64 * len(st.parts)
-        offs, lens, mats = (P(*[p[k] for p in st.parts]) for k in range(3))
-        bases = (ctypes.c_void_p * len(slabs))(*[ctypes.addressof(ctypes.c_char.from_buffer(v)) for v in slabs])
-        rbs = (ctypes.c_int64 * len(row_bytes))(*row_bytes)
+        offs, lens, mats = st.c_parts
         out = (ctypes.c_int64 * 5)()
         direct = st.direct
         n = lib.pi_read_records(st.file.dfd if direct else st.file.fd, int(direct), st.base, st.stride,
-                                len(st.parts), offs, lens, mats, bases, rbs, pos.ctypes.data, slots.ctypes.data,
-                                len(pos), MAX_GAP, MAX_JOB, self.threads, self._junk.ctypes.data, self._junk.nbytes,
+                                len(st.parts), offs, lens, mats, slabs.c_bases, slabs.c_row_bytes, pos.ctypes.data,
+                                slots.ctypes.data, len(pos), MAX_GAP, MAX_JOB, self.threads, self._junk.ctypes.data,
+                                self._junk.nbytes,
                                 self._stage_ptr() if direct else None, out)
         if n < 0:
             off, err, got, want = out[1], out[2], out[3], out[4]
-            if err:
-                raise PowerInferError(f"{st.file.path}: read error at offset {off} ({want} bytes): {os.strerror(err)}")
-            raise PowerInferError(f"{st.file.path}: short read at offset {off}: {got} of {want} bytes (the file is "
-                                  f"{os.fstat(st.file.fd).st_size} bytes now, {st.file.stamp.size} when opened): it "
-                                  "changed while running")
+            raise _read_failed(st.file, off, want, got, os.strerror(err) if err else None)
         if count:
             self.stats.reads += n
             self.stats.bytes += out[0]
@@ -463,7 +483,9 @@ class RowReader:
             prev = p
         yield st.file, bufs, st.base + start * rec, (prev + 1 - start) * rec
 
-    def wait(self, futs: list) -> None:
+    def wait(self, futs: list, count: bool = True) -> None:
+        """Wait for the reads ``futs``; the first PowerInferError raised. ``count``: add the time to
+        :attr:`ReadStats.t_wait` (not for the hot rows read at load)."""
         t = time.perf_counter()
         err = None
         for f in futs:
@@ -471,15 +493,15 @@ class RowReader:
                 f.result()
             except PowerInferError as e:
                 err = err or e
-        self.stats.t_wait += time.perf_counter() - t
+        if count:
+            self.stats.t_wait += time.perf_counter() - t
         if err is not None:
             raise err
 
     def drop_cache(self, streams: list[Stream], n_ff: int) -> None:
         """Drop the pages buffered reads of ``streams`` left in the page cache."""
-        lib = _lib()
         for st in streams:
-            if not (lib is not None and st.direct):
+            if not (self.lib is not None and st.direct):
                 st.file.drop_cache(st.base, n_ff * st.stride)
 
     def close(self) -> None:
@@ -516,10 +538,11 @@ class RowPool:
         self.hot_start = np.concatenate([[0], np.cumsum(n_hot)]).astype(np.int64)
         self.H = int(self.hot_start[-1])
         cap = self.H + int(window)
-        self.cap, self.window = cap, int(window)
+        self.window = int(window)
         self.row_bytes = [rb for _, _, rb in parts]
         self.mats = [QWeight(empty((cap, rb), torch.uint8), MAPPED_TYPES[k], cap, n_embd) for _, k, rb in parts]
         self.flat = [memoryview(w.raw.numpy()).cast("B") for w in self.mats]
+        self.slabs = Slabs(self.flat, self.row_bytes)
         self.last = np.full(cap, -1, dtype=np.int64)  # the last step (layer pass) that used the slot
         self.last_token = np.full(cap, -1, dtype=np.int64)  # the last token that used it (eviction order)
         self.token = 0
@@ -571,9 +594,10 @@ class BudgetFFN:
         self.layer, self.family, self.act, self.threshold = layer, family, act, threshold
         self.fc1, self.fc2 = fc1, fc2
         self.gate_b, self.up_b, self.down_b = gate_b, up_b, down_b
+        self.gmin = gate_min(act, gate_b is not None)
         self.streams, self.reader, self.pool = streams, reader, pool
         n_ff = len(hot)
-        self.n_ff, self.n_embd = n_ff, n_embd
+        self.n_ff = n_ff
         hot_ids = np.flatnonzero(hot).astype(np.int64)
         self.n_hot = len(hot_ids)
         if self.n_hot != pool.hot_start[layer + 1] - pool.hot_start[layer]:
@@ -590,11 +614,8 @@ class BudgetFFN:
         if self.n_hot:
             h0 = int(pool.hot_start[layer])
             slots = np.arange(h0, h0 + self.n_hot, dtype=np.int64)
-            t, waited = time.perf_counter(), reader.stats.t_wait
-            reader.wait(reader.submit(streams, hot_ids, slots, pool.flat, self.row_bytes, count=False))
+            reader.wait(reader.submit(streams, hot_ids, slots, pool.slabs, count=False), count=False)
             reader.drop_cache(streams, n_ff)
-            reader.stats.t_wait = waited
-            reader.stats.t_load += time.perf_counter() - t
             self.slot_of[hot_ids] = slots
             pool.owner[slots], pool.neuron_of[slots] = layer, hot_ids
             for w in pool.mats if reader.verify else ():  # NaN/inf block scales: a corrupt file (the
@@ -602,7 +623,6 @@ class BudgetFFN:
                 if bad is not None:  # row cache's rows were checked when it was written)
                     raise PowerInferError(f"{streams[0].file.path}: layer {layer} neuron {hot_ids[bad]} has a NaN or "
                                           "infinite block scale: the file is corrupt")
-        self.rows_max_share = 0.0
         self.n_active = self.n_calls = self.n_fired = 0
         self.count_fired = False
         self.t_ffn = self.t_predict = 0.0
@@ -655,28 +675,28 @@ class BudgetFFN:
         ids = idx.numpy()
         nh = ~self.is_hot[ids]
         W = self.pool.window
-        if int(nh.sum()) <= W:
-            return self._pass(x, idx)
+        n_cold = int(nh.sum())
+        if n_cold <= W:
+            return self._pass(x, idx, len(ids) - n_cold)
         # more non-pinned neurons than the window holds: passes of at most W of them, sums added
         self.reader.stats.split += 1
         group = (np.cumsum(nh) - nh) // W
         cuts = np.flatnonzero(np.diff(group)) + 1
         out = None
         for sel in np.split(np.arange(len(ids)), cuts):
-            y = self._pass(x, idx[torch.from_numpy(sel)])
+            y = self._pass(x, idx[torch.from_numpy(sel)], len(sel) - int(nh[sel].sum()))
             out = y if out is None else out + y
         return out
 
-    def _pass(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Neurons ``idx`` (at most the window's size of them not pinned): the missing ones read
-        into the least recently used window slots, then computed."""
+    def _pass(self, x: torch.Tensor, idx: torch.Tensor, n_hot: int) -> torch.Tensor:
+        """Neurons ``idx`` (at most the window's size of them not pinned, ``n_hot`` pinned): the
+        missing ones read into the least recently used window slots, then computed."""
         st, pool = self.reader.stats, self.pool
         pool.stamp += 1
         ids = idx.numpy()
         slots = self.slot_of[ids]
         res = slots >= 0
         n_res = int(res.sum())
-        n_hot = int(self.is_hot[ids].sum())
         st.hot_hits += n_hot
         st.window_hits += n_res - n_hot
         pool.last[slots[res]] = pool.stamp
@@ -691,14 +711,14 @@ class BudgetFFN:
                                   "has fewer free slots")
         slots[miss] = take
         try:
-            futs = self.reader.submit(self.streams, need, take, pool.flat, self.row_bytes)
+            futs = self.reader.submit(self.streams, need, take, pool.slabs)
         except BaseException:
             pool.forget(take)
             raise
         res_slots = torch.from_numpy(slots[res])
         try:
             if self.family.gated:  # the resident neurons' gate/up products while the reads are in flight
-                g_r, u_r = kernels.rows_dot(x, res_slots, self.mats[0], self.mats[1], self._gmin())
+                g_r, u_r = kernels.rows_dot(x, res_slots, self.mats[0], self.mats[1], self.gmin)
             else:
                 g_r, u_r = None, kernels.rows_dot(x, res_slots, self.mats[0])[0]
         finally:
@@ -712,7 +732,7 @@ class BudgetFFN:
             self._check_rows(take)
         m_idx = torch.from_numpy(take)
         if self.family.gated:
-            g_m, u_m = kernels.rows_dot(x, m_idx, self.mats[0], self.mats[1], self._gmin())
+            g_m, u_m = kernels.rows_dot(x, m_idx, self.mats[0], self.mats[1], self.gmin)
         else:
             g_m, u_m = None, kernels.rows_dot(x, m_idx, self.mats[0])[0]
         k = len(ids)
@@ -723,7 +743,7 @@ class BudgetFFN:
         if self.family.gated:
             gate = torch.empty(k, dtype=torch.float32)
             gate[res_t], gate[miss_t] = g_r, g_m
-        return self._finish(x, idx, torch.from_numpy(slots), gate, up)
+        return self._finish(idx, torch.from_numpy(slots), gate, up)
 
     def _check_rows(self, slots: np.ndarray) -> None:
         for w in self.mats:
@@ -733,40 +753,25 @@ class BudgetFFN:
                 raise PowerInferError(f"{self.streams[0].file.path}: layer {self.layer}: a row read has a NaN or "
                                       "infinite block scale: the file is corrupt or changed while running")
 
-    def _gmin(self):
-        return gate_min(self.act, self.gate_b is not None)
-
     def _compute(self, x: torch.Tensor, idx: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         if self.family.gated:
-            gate, up = kernels.rows_dot(x, slots, self.mats[0], self.mats[1], self._gmin())
+            gate, up = kernels.rows_dot(x, slots, self.mats[0], self.mats[1], self.gmin)
         else:
             gate, up = None, kernels.rows_dot(x, slots, self.mats[0])[0]
-        return self._finish(x, idx, slots, gate, up)
+        return self._finish(idx, slots, gate, up)
 
-    def _finish(self, x, idx, slots, gate, up):
+    def _finish(self, idx, slots, gate, up):
         return finish_rows(self, idx, gate, up, self.mats[-1], slots, torch.float32)
 
 
 # ---------------------------------------------------------------------------- loading
 def _builder(plan: ResidencyPlan, streams: list[list[Stream]], reader: RowReader, pool: RowPool):
     """A ``build_ffn`` stand-in (same arguments) that builds :class:`BudgetFFN` layers."""
-    from .model import load_tensor
-    from .weights import load_matrix
+    from .model import load_ffn_biases, load_predictor
 
     def build(g: GGUFFile, i: int, a, dtype: torch.dtype, dense: bool, mapped: bool = False) -> BudgetFFN:
-        p = f"blk.{i}."
-        fc1 = load_matrix(g, p + "fc1.weight", dtype, mapped, dense_use=True)
-        fc2 = load_matrix(g, p + "fc2.weight", dtype, mapped, dense_use=True)
-        if fc1.shape[1] != a.n_embd or fc2.shape != (a.n_ff, fc1.shape[0]):
-            raise PowerInferError(f"{g.path}: blk.{i} predictor shapes {tuple(fc1.shape)}, "
-                                  f"{tuple(fc2.shape)} do not match the model")
-        gate_b = up_b = down_b = None
-        if a.family.ffn_bias:
-            gate_b = load_tensor(g, p + "ffn_gate.bias", dtype) if a.family.gated else None
-            up_b = load_tensor(g, p + "ffn_up.bias", dtype)
-            down_b = load_tensor(g, p + "ffn_down_t.bias", dtype)
-            if up_b.shape != (a.n_ff,) or down_b.shape != (a.n_embd,):
-                raise PowerInferError(f"{g.path}: blk.{i} FFN bias shapes do not match n_ff/n_embd")
+        fc1, fc2 = load_predictor(g, i, a, dtype, mapped)
+        gate_b, up_b, down_b = load_ffn_biases(g, i, a, dtype)  # a PWRI file: ffn_down_t.bias
         return BudgetFFN(i, a.family, a.activation, fc1, fc2, a.sparse_threshold, plan.parts, a.n_embd,
                          plan.hot[i], pool, streams[i], reader, gate_b, up_b, down_b)
 
@@ -794,35 +799,35 @@ def load_budgeted(g: GGUFFile, dtype: torch.dtype, n_ctx: int | None, budget_gib
     Raises PowerInferError for a budget below the minimum, a dense file, FFN
     rows of a type the row kernels do not read, or an unreadable activation folder."""
     from .args import ModelArgs
-    from .model import DEFAULT_CTX, Transformer
+    from .model import Transformer, context_length
     from .residency import plan_residency
     from .weights import _release
 
     if kernels.backend() != "c":
         raise PowerInferError("--ram-budget needs the C kernels (--kernels c): the torch backend copies every weight")
     a = ModelArgs.from_gguf(g)
-    ctx = min(n_ctx or min(a.n_ctx, DEFAULT_CTX), a.n_ctx)
+    _, ctx = context_length(g, a, n_ctx)  # the Transformer's own (position_embd's cap included)
     counts, source = activation_counts(str(g.path), activation_dir, a.n_layer, a.n_ff) if a.sparse else (None, "")
     plan = plan_residency(g, ctx, dtype, budget_gib, counts, source, interpreter)
     streams, files, where = open_streams(g, plan, note)
-    reader = RowReader(files, watch=[_File(Path(g.path))])
-    reader.verify = files[0].path == Path(g.path)
-    reader.pool = RowPool(plan.parts, a.n_embd, [int(h.sum()) for h in plan.hot], plan.window_slots * plan.n_layer)
+    reader = RowReader(files)
     try:
+        reader.verify = files[0].path == Path(g.path)
+        reader.pool = RowPool(plan.parts, a.n_embd, [int(h.sum()) for h in plan.hot], plan.window_total)
         model = Transformer(g, dtype, n_ctx=n_ctx, ffn_builder=_builder(plan, streams, reader, reader.pool))
+        embd = g.tensors.get("token_embd.weight")
+        tied = model.output is model.tok_embd
+
+        def before_forward() -> None:
+            reader.check()
+            if embd is not None and not tied:  # rows looked up on demand: their pages do not pile up
+                _release(g, embd)
+
+        before_forward()
     except BaseException:
         reader.close()
         raise
-    embd = g.tensors.get("token_embd.weight")
-    tied = model.output is model.tok_embd
-
-    def before_forward() -> None:
-        reader.check()
-        if embd is not None and not tied:  # rows looked up on demand: their pages do not pile up
-            _release(g, embd)
-
-    before_forward()
-    for f in reader.watch:  # what loading read through the page cache
+    for f in reader.files:  # what loading read through the page cache
         f.drop_cache(0, f.stamp.size)
     model.before_forward = before_forward
     model.residency = (plan, reader, where)

@@ -235,19 +235,48 @@ def build_ffn(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype, dense: bool
         if w is not None and tuple(w.shape) != (a.n_ff, a.n_embd):
             raise PowerInferError(f"{g.path}: blk.{i}.{name} has shape {tuple(w.shape)}, "
                                   f"expected [n_ff={a.n_ff}, n_embd={a.n_embd}]")
-    if fam.ffn_bias:
-        ffn.gate_b = load_tensor(g, p + "ffn_gate.bias", dtype) if fam.gated else None
-        ffn.up_b = load_tensor(g, p + "ffn_up.bias", dtype)
-        ffn.down_b = load_tensor(g, f"{p}{down}.bias", dtype)
-        if ffn.up_b.shape != (a.n_ff,) or ffn.down_b.shape != (a.n_embd,):
-            raise PowerInferError(f"{g.path}: blk.{i} FFN bias shapes do not match n_ff/n_embd")
+    ffn.gate_b, ffn.up_b, ffn.down_b = load_ffn_biases(g, i, a, dtype)
     if a.sparse and not dense:
-        ffn.fc1 = load_matrix(g, p + "fc1.weight", dtype, mapped, dense_use=True)
-        ffn.fc2 = load_matrix(g, p + "fc2.weight", dtype, mapped, dense_use=True)
-        if ffn.fc1.shape[1] != a.n_embd or ffn.fc2.shape != (a.n_ff, ffn.fc1.shape[0]):
-            raise PowerInferError(f"{g.path}: blk.{i} predictor shapes {tuple(ffn.fc1.shape)}, "
-                                  f"{tuple(ffn.fc2.shape)} do not match the model")
+        ffn.fc1, ffn.fc2 = load_predictor(g, i, a, dtype, mapped)
     return ffn
+
+
+def load_ffn_biases(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype):
+    """Layer ``i``'s FFN biases ``(gate [F] | None, up [F], down [D])`` when the family has them
+    (``ffn_down_t.bias`` in a PWRI file, ``ffn_down.bias`` in a dense one), else three Nones.
+    Raises PowerInferError for wrong shapes."""
+    if not a.family.ffn_bias:
+        return None, None, None
+    p = f"blk.{i}."
+    down = "ffn_down_t" if a.sparse else "ffn_down"
+    gate_b = load_tensor(g, p + "ffn_gate.bias", dtype) if a.family.gated else None
+    up_b = load_tensor(g, p + "ffn_up.bias", dtype)
+    down_b = load_tensor(g, f"{p}{down}.bias", dtype)
+    if up_b.shape != (a.n_ff,) or down_b.shape != (a.n_embd,):
+        raise PowerInferError(f"{g.path}: blk.{i} FFN bias shapes do not match n_ff/n_embd")
+    return gate_b, up_b, down_b
+
+
+def load_predictor(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype, mapped: bool = False):
+    """Layer ``i``'s predictor ``(fc1 [H, D], fc2 [F, H])`` of a PWRI file; PowerInferError for
+    shapes that do not match the model."""
+    p = f"blk.{i}."
+    fc1 = load_matrix(g, p + "fc1.weight", dtype, mapped, dense_use=True)
+    fc2 = load_matrix(g, p + "fc2.weight", dtype, mapped, dense_use=True)
+    if fc1.shape[1] != a.n_embd or fc2.shape != (a.n_ff, fc1.shape[0]):
+        raise PowerInferError(f"{g.path}: blk.{i} predictor shapes {tuple(fc1.shape)}, "
+                              f"{tuple(fc2.shape)} do not match the model")
+    return fc1, fc2
+
+
+def context_length(g: GGUFFile, a: ModelArgs, n_ctx: int | None) -> tuple[int, int]:
+    """``(the model's context length, the one used)``: the metadata's, cut by the rows of
+    ``position_embd`` for learned positions (OPT); ``n_ctx`` cut to it, None: at most
+    :data:`DEFAULT_CTX`. No tensor data is read (``--ram-budget`` plans with it before loading)."""
+    max_ctx = a.n_ctx
+    if a.family.rope is None:
+        max_ctx = min(max_ctx, tensor_shape(g, "position_embd.weight")[0] - a.family.learned_pos_offset)
+    return max_ctx, min(n_ctx or min(max_ctx, DEFAULT_CTX), max_ctx)
 
 
 def build_layer(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype, dense: bool, mapped: bool = False,
@@ -295,15 +324,13 @@ class Transformer:
         self.output = self.tok_embd if out is None else out  # [V, D]; OPT ties it to the embedding
         if self.output.shape != self.tok_embd.shape:
             raise PowerInferError(f"{g.path}: output shape {tuple(self.output.shape)} does not match token_embd")
-        max_ctx = a.n_ctx
         self.pos_embd = None
         if fam.rope is None:  # learned positions: row p + offset holds position p
             self.pos_embd = load_tensor(g, "position_embd.weight", dtype)  # [n_pos, D]
             if self.pos_embd.shape[1] != a.n_embd:
                 raise PowerInferError(f"{g.path}: position_embd shape {tuple(self.pos_embd.shape)} does not match n_embd")
-            max_ctx = min(max_ctx, self.pos_embd.shape[0] - fam.learned_pos_offset)
+        max_ctx, self.n_ctx = context_length(g, a, n_ctx)
         self.max_ctx = max_ctx  # the model's own context length (n_ctx may be smaller: -c)
-        self.n_ctx = min(n_ctx or min(max_ctx, DEFAULT_CTX), max_ctx)
         if not n_ctx and self.n_ctx < max_ctx:
             kv = KVCache.nbytes(a.n_layer, 1, a.n_head_kv, a.head_dim, dtype)
             log.warning("context: %d tokens of the model's %d (KV cache %s); -c %d for the whole context "

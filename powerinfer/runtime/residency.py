@@ -83,7 +83,8 @@ class ResidencyPlan:
 
     ``hot[l]``: bool ``[n_ff]``, the neurons of layer ``l`` kept resident; ``order[l]``: int64
     ``[n_ff]``, layer ``l``'s neurons hottest first (the row cache's record order);
-    ``window_slots``: neurons per layer the reuse window holds; ``parts``: per FFN neuron the
+    ``window_slots``: neurons per layer the reuse window is sized for (:attr:`window_total`: the
+    slots it has, shared by the layers, at most the neurons not pinned); ``parts``: per FFN neuron the
     rows it has (``(tensor suffix, GGML type name, bytes)``: gate, up, down_t).
     """
 
@@ -122,8 +123,15 @@ class ResidencyPlan:
         return self.n_hot * self.neuron_bytes
 
     @property
+    def window_total(self) -> int:
+        """Slots of the reuse window (shared by the layers): ``window_slots`` per layer, at most
+        the neurons not pinned (a slot more could never be used)."""
+        cold = self.n_layer * self.n_ff - self.n_hot
+        return min(self.window_slots * self.n_layer, cold)
+
+    @property
     def window_bytes(self) -> int:
-        return self.window_slots * self.n_layer * self.neuron_bytes
+        return self.window_total * self.neuron_bytes
 
     @property
     def ffn_bytes(self) -> int:
@@ -136,7 +144,7 @@ class ResidencyPlan:
         return (f"RAM budget {self.budget / GIB:.2f} GiB: interpreter {self.interpreter / mb:.0f} MB, {fixed}, "
                 f"KV cache {self.kv_cache / mb:.0f}, scratch {self.scratch / mb:.0f}; hot FFN neurons "
                 f"{self.n_hot / max(1, self.n_layer * self.n_ff):.1%} ({self.hot_bytes / mb:.0f} MB, counts: "
-                f"{self.counts_source}), reuse window {self.window_slots} neurons per layer "
+                f"{self.counts_source}), reuse window {self.window_total} neurons "
                 f"({self.window_bytes / mb:.0f} MB); the other FFN rows are read from disk")
 
 
