@@ -359,3 +359,13 @@ def test_reuse_window_holds_at_most_the_neurons_not_pinned(model_dir):
     assert plan.window_slots * N_LAYER > cold
     assert plan.window_total == cold and plan.window_bytes == cold * plan.neuron_bytes
     assert f"reuse window {cold} neurons ({plan.window_bytes / 1e6:.0f} MB)" in plan.summary()
+
+
+def test_batched_decoding_refuses_a_budgeted_model(model_dir, cache_dir):
+    """A RAM budget's FFN rows are not the full matrices the batched kernels read: BatchDecoder (any
+    caller, not only pi-server -np > 1) refuses such a model with one message."""
+    from powerinfer.runtime import batch
+
+    model, _ = load_model(str(model_dir), "f32", n_ctx=64, ram_budget=_minimum(model_dir) + 0.02)
+    with pytest.raises(PowerInferError, match="do not run under a RAM budget"):
+        batch.BatchDecoder(model)
