@@ -175,6 +175,71 @@ def make_opt(out_dir: Path, decoder_prefix: bool = False) -> Path:
     return out_dir
 
 
+# --------------------------------------------------------------------------- modern dense families
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 256}  # head_dim 16, theta 5e5: pairs 0-1 kept, 2 smoothed, 3-7 /8
+MISTRAL_WINDOW = 8  # shorter than the test prompt
+
+
+def _modern(cls_name: str, out_dir: Path, seed: int, **cfg_kw) -> Path:
+    """A tiny random ``{cls_name}`` (vocab 512 with stories260K's SentencePiece tokenizer, n_embd 64,
+    n_ff 128, N_LAYER layers, 4 heads / 2 kv heads unless ``cfg_kw`` says otherwise) saved in HF layout."""
+    import transformers
+
+    kw = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=N_LAYER,
+              num_attention_heads=4, num_key_value_heads=2, hidden_act="silu", max_position_embeddings=2048,
+              rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    kw.update(cfg_kw)
+    cfg = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))(**kw)
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls_name)(cfg)
+    _randomize(model, seed)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    _save(model, out_dir)
+    _spm_tokenizer(out_dir)
+    return out_dir
+
+
+def make_llama3(out_dir: Path, tied: bool = False) -> Path:
+    """Llama 3.1: GQA 2 q heads per kv head, rope_theta 5e5, llama3 rope scaling; ``tied``: the 3.2 1B/3B
+    layout (output tied to the embedding, no lm_head in the checkpoint)."""
+    return _modern("LlamaForCausalLM", out_dir, 11 + tied, rope_theta=500000.0, rope_scaling=dict(LLAMA3_ROPE),
+                   tie_word_embeddings=tied)
+
+
+def make_qwen2(out_dir: Path) -> Path:
+    """Qwen2.5-0.5B's layout: Q/K/V biases, tied output, rope_theta 1e6, eps 1e-6."""
+    return _modern("Qwen2ForCausalLM", out_dir, 13, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                   tie_word_embeddings=True, use_sliding_window=False)
+
+
+def make_qwen3(out_dir: Path) -> Path:
+    """Qwen3: per-head q_norm/k_norm, explicit head_dim 32 (4 heads of 32 > n_embd 64), no biases."""
+    return _modern("Qwen3ForCausalLM", out_dir, 14, rope_theta=1000000.0, rms_norm_eps=1e-6, head_dim=32,
+                   use_sliding_window=False)
+
+
+def make_mistral(out_dir: Path) -> Path:
+    """Mistral 7B v0.1: GQA, sliding_window shorter than the test prompt."""
+    return _modern("MistralForCausalLM", out_dir, 15, sliding_window=MISTRAL_WINDOW, rope_theta=10000.0)
+
+
+def make_nemo(out_dir: Path) -> Path:
+    """Mistral-Nemo: head_dim 24 with 4 heads (96 != n_embd 64), no sliding window, rope_theta 1e6."""
+    return _modern("MistralForCausalLM", out_dir, 16, head_dim=24, sliding_window=None, rope_theta=1000000.0)
+
+
+MODERN_BUILDERS = {
+    "llama3": make_llama3,
+    "llama3_tied": lambda d: make_llama3(d, tied=True),
+    "qwen2": make_qwen2,
+    "qwen3": make_qwen3,
+    "mistral": make_mistral,
+    "nemo": make_nemo,
+}
+
+
 BUILDERS = {
     "relu_llama": make_relu_llama,
     "prosparse": make_prosparse,

@@ -27,6 +27,12 @@ Beyond upstream's keys we write ``powerinfer.activation`` (and
 activation from the architecture name, the model's real context length
 (upstream's converter hard-codes 2048), and the family's extra keys (Bamboo's
 ``bamboo.attention.sliding_window``).
+
+As llama.cpp's converter does: a config's RoPE scaling becomes ``{arch}.rope.scaling.*`` keys
+or the ``rope_freqs.weight`` tensor (Llama 3.1+, :mod:`powerinfer.families.rope_scaling`); a
+``head_dim`` that is not ``n_embd / n_head`` (Qwen3, Mistral-Nemo) is
+``{arch}.attention.key_length``/``value_length`` and ``rope.dimension_count``; families with
+``output_optional`` (Llama 3, Mistral, Qwen) write no ``output.weight`` for a tied checkpoint.
 """
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ import torch
 
 from ..errors import PowerInferError
 from ..families import Activation, Family, rope_theta
+from ..families.rope_scaling import RopeScaling, hf_rope_scaling
 from ..formats._atomic import atomic_path
 from ..formats.gguf_file import PWRI_BYTES, set_magic
 from ..formats.predictor import LayerPredictor, check_sparse_threshold, load_predictor_dir, read_predictor_config
@@ -93,7 +100,8 @@ class PlannedTensor:
 
 
 def _plan(family: Family, cfg: dict, dims: dict, tensors: HFTensors, sparse: bool,
-          predictors: list[LayerPredictor] | None, src: Path) -> list[PlannedTensor]:
+          predictors: list[LayerPredictor] | None, src: Path,
+          rope: RopeScaling | None = None) -> list[PlannedTensor]:
     n_head, n_head_kv = dims["n_head"], dims["n_head_kv"]
     transforms = {
         None: lambda t: t,
@@ -121,8 +129,12 @@ def _plan(family: Family, cfg: dict, dims: dict, tensors: HFTensors, sparse: boo
             raise PowerInferError(f"{src}: two checkpoint tensors map to {gname} (the second is {name!r})")
         fn = transforms[tr]
         by_name[gname] = PlannedTensor(gname, shape, (lambda n=name, f=fn: f(tensors.get(n))))
-    # Tied embeddings: the upstream loader wants an explicit output.weight.
-    if "output.weight" not in by_name and "output.weight" in family.expected_gguf_tensors(0, sparse):
+    expected = family.expected_gguf_tensors(dims["n_layer"], sparse)
+    # Tied embeddings: the upstream loader wants an explicit output.weight; llama.cpp's reuses token_embd.
+    tied = "output.weight" not in by_name and "output.weight" in expected
+    if tied and family.output_optional:
+        expected.remove("output.weight")
+    elif tied:
         emb = by_name.get("token_embd.weight")
         if emb is None:
             raise PowerInferError(f"{src}: no token embedding found")
@@ -133,7 +145,9 @@ def _plan(family: Family, cfg: dict, dims: dict, tensors: HFTensors, sparse: boo
                 t = getattr(lp, part)
                 by_name[f"blk.{i}.{part}.weight"] = PlannedTensor(
                     f"blk.{i}.{part}.weight", tuple(t.shape), (lambda t=t: t))
-    expected = family.expected_gguf_tensors(dims["n_layer"], sparse)
+    for name, t in (rope.tensors if rope is not None else {}).items():  # computed from the config
+        by_name[name] = PlannedTensor(name, tuple(t.shape), (lambda t=t: t))
+        expected.insert(0, name)
     missing = [n for n in expected if n not in by_name]
     extra = [n for n in by_name if n not in set(expected)]
     if missing or extra:
@@ -142,7 +156,8 @@ def _plan(family: Family, cfg: dict, dims: dict, tensors: HFTensors, sparse: boo
     return [by_name[n] for n in expected]
 
 
-def _add_hparams(w: gguf.GGUFWriter, family: Family, cfg: dict, dims: dict, act: Activation, name: str) -> None:
+def _add_hparams(w: gguf.GGUFWriter, family: Family, cfg: dict, dims: dict, act: Activation, name: str,
+                 rope: RopeScaling | None = None) -> None:
     w.add_name(name)
     w.add_context_length(dims["n_ctx"])
     w.add_embedding_length(dims["n_embd"])
@@ -154,9 +169,14 @@ def _add_hparams(w: gguf.GGUFWriter, family: Family, cfg: dict, dims: dict, act:
         w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
     else:
         w.add_layer_norm_eps(float(cfg.get("layer_norm_epsilon", cfg.get("layer_norm_eps", 1e-5))))
+    if dims["head_dim"] != dims["n_embd"] // dims["n_head"]:
+        w.add_key_length(dims["head_dim"])
+        w.add_value_length(dims["head_dim"])
     if family.rope is not None:
-        w.add_rope_dimension_count(dims["n_embd"] // dims["n_head"])
+        w.add_rope_dimension_count(dims["head_dim"])
         w.add_rope_freq_base(rope_theta(cfg))
+        for key, value in (rope.kv if rope is not None else {}).items():
+            _add_kv(w, f"{family.gguf_arch}.{key}", value)
     for key, value in (family.gguf_kv(cfg) if family.gguf_kv is not None else {}).items():
         _add_kv(w, key, value)
     w.add_string("powerinfer.activation", act.kind)
@@ -243,8 +263,10 @@ def convert(model_dir: str | Path, outfile: str | Path, pred_dir: str | Path | N
         log.warning("dense %s GGUF: upstream PowerInfer and llama.cpp run dense llama files with SiLU and "
                     "ignore powerinfer.activation; this file is for pi-run (convert with predictors for upstream)",
                     act.kind)
+    rope = hf_rope_scaling(cfg, dims["head_dim"], rope_theta(cfg), str(model_dir / "config.json")) \
+        if family.rope is not None else None
     tensors = HFTensors(model_dir)
-    plan = _plan(family, cfg, dims, tensors, sparse, predictors, model_dir)
+    plan = _plan(family, cfg, dims, tensors, sparse, predictors, model_dir, rope)
     types = [tensor_type(pt.gguf_name, pt.shape, outtype, predictor_type) for pt in plan]
     kept = [(pt.gguf_name, pt.shape) for pt in plan if falls_back(pt.gguf_name, pt.shape, outtype, predictor_type)]
     if kept:
@@ -255,7 +277,7 @@ def convert(model_dir: str | Path, outfile: str | Path, pred_dir: str | Path | N
 
     with atomic_path(outfile) as tmp:
         w = gguf.GGUFWriter(str(tmp), family.gguf_arch)
-        _add_hparams(w, family, cfg, dims, act, _model_name(model_dir))
+        _add_hparams(w, family, cfg, dims, act, _model_name(model_dir), rope)
         w.add_file_type(FILE_TYPES[outtype])
         if sparse:
             w.add_float32("powerinfer.sparse_threshold", float(sparse_threshold))

@@ -6,6 +6,9 @@ instead of hard-coding names. One small module per family declares its
 ``llama.cpp`` loaders for the GGUF side):
 
 * :mod:`.llama`  -- ReLU-Llama 2 and ProSparse-Llama 2 (GGUF ``llama``)
+* :mod:`.llama3` -- Llama 2 / 3.x with SiLU (GGUF ``llama``; ``rope_freqs``, tied output)
+* :mod:`.mistral` -- Mistral 7B and Mistral-Nemo (GGUF ``llama``; sliding window, head_dim)
+* :mod:`.qwen`   -- Qwen2 / Qwen2.5 and Qwen3 (GGUF ``qwen2``, ``qwen3``)
 * :mod:`.bamboo` -- Bamboo-7B, dReLU on a Mistral body (GGUF ``bamboo``)
 * :mod:`.falcon` -- ReLU-Falcon-40B, also legacy ``RWForCausalLM`` configs (GGUF ``falcon``)
 * :mod:`.opt`    -- OPT (GGUF ``opt``)
@@ -21,6 +24,9 @@ from .base import (DENSE_ACTIVATIONS, FAMILIES, SPARSE_ACTIVATIONS, Activation, 
                    hf_dims, model_layers, read_hf_config, register_family, rope_theta, weight_and_bias)
 from .activation_source import ACTIVATION_CHOICES, ffn_activation_override, resolve_activation
 from .llama import PROSPARSE, RELU_LLAMA  # noqa: E402  (registration order: llama first)
+from .llama3 import LLAMA3  # noqa: E402
+from .mistral import MISTRAL  # noqa: E402
+from .qwen import QWEN2, QWEN3  # noqa: E402
 from .bamboo import BAMBOO  # noqa: E402
 from .falcon import FALCON  # noqa: E402
 from .opt import OPT  # noqa: E402
@@ -29,6 +35,6 @@ __all__ = [
     "Activation", "Family", "TensorRule", "FAMILIES", "SPARSE_ACTIVATIONS", "DENSE_ACTIVATIONS",
     "register_family", "family_for_config", "family_for_gguf_arch", "read_hf_config", "adapt_config",
     "activation_from_config", "hf_dims", "rope_theta", "get_attr", "model_layers", "weight_and_bias",
-    "RELU_LLAMA", "PROSPARSE", "BAMBOO", "FALCON", "OPT",
+    "RELU_LLAMA", "PROSPARSE", "LLAMA3", "MISTRAL", "QWEN2", "QWEN3", "BAMBOO", "FALCON", "OPT",
     "ACTIVATION_CHOICES", "ffn_activation_override", "resolve_activation",
 ]

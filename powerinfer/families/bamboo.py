@@ -31,4 +31,6 @@ BAMBOO = register_family(RELU_LLAMA.replace(
     gguf_arch="bamboo",
     ffn="dreglu",
     gguf_kv=_bamboo_kv,
+    dense_gguf_activation="relu",
+    specialize=None,
 ))

@@ -4,8 +4,8 @@ A :class:`Family` is one declaration of an architecture's facts (FORMATS.md sect
 and 4): how its FFN combines gate/up, when a neuron is *active*, where the predictor
 reads its input, the transformers module paths the profiler hooks, and how the HF
 tensors become upstream PowerInfer's GGUF tensors. The family modules next to this one
-(``llama``, ``bamboo``, ``falcon``, ``opt``) each build one or two records and register
-them; nothing else in the toolkit hard-codes an architecture name.
+(``llama``, ``llama3``, ``mistral``, ``qwen``, ``bamboo``, ``falcon``, ``opt``) each build one or
+two records and register them; nothing else in the toolkit hard-codes an architecture name.
 
 FFN kinds (``x`` is the FFN input after the norm, ``act`` the family activation):
 
@@ -132,7 +132,16 @@ class Family:
     bias), ``rope`` (GGML mode ``normal`` = interleaved pairs, ``neox`` = rotate-half,
     None = learned positions), ``parallel_attn`` (attention and FFN both read the layer
     input, Falcon), ``learned_pos_offset`` (row of ``position_embd`` that holds
-    position 0: OPT stores two unused rows first).
+    position 0: OPT stores two unused rows first), ``qk_norm`` (every layer has
+    ``attn_q_norm``/``attn_k_norm`` ``[head_dim]``: RMSNorm of each Q and K head before
+    RoPE, Qwen3), ``dense_gguf_activation`` (what a dense GGUF of this architecture without
+    ``powerinfer.activation`` runs: SiLU for llama.cpp's ``llama``/``qwen2``/``qwen3`` files,
+    ReLU for upstream PowerInfer's ``bamboo``/``falcon``/``opt``; sparse files are ReLU).
+
+    Writer side: ``output_optional`` True means a tied checkpoint (no ``lm_head``) gets no
+    ``output.weight``, as llama.cpp's converter writes it (its loaders reuse
+    ``token_embd``); False writes a copy of the embedding (upstream PowerInfer's loaders
+    require the tensor).
 
     Config side: ``activation_keys`` are the config keys naming the FFN activation
     (first present wins) and ``default_activation`` is what transformers uses when
@@ -160,6 +169,9 @@ class Family:
     parallel_attn: bool = False
     ffn_bias: bool = False
     learned_pos_offset: int = 0
+    qk_norm: bool = False
+    dense_gguf_activation: str = "relu"
+    output_optional: bool = False
     activation_keys: tuple[str, ...] = ("hidden_act",)
     default_activation: str = "silu"
     adapt_config: ConfigAdapter | None = None
@@ -271,7 +283,7 @@ def family_for_config(cfg: dict[str, Any], source: str | Path = "config.json") -
             if mt in fam.hf_model_types:
                 return fam
     name = ", ".join(map(str, archs)) if archs else f"model_type {cfg.get('model_type')!r}"
-    known = sorted(a for f in FAMILIES.values() for a in f.hf_architectures)
+    known = sorted({a for f in FAMILIES.values() for a in f.hf_architectures})
     raise PowerInferError(f"{source}: architecture {name} is not supported (supported: {', '.join(known)})")
 
 
@@ -328,11 +340,12 @@ def rope_theta(cfg: dict[str, Any], default: float = 10000.0) -> float:
 
 
 def hf_dims(cfg: dict[str, Any]) -> dict[str, int]:
-    """n_embd, n_ff, n_layer, n_head, n_head_kv, n_ctx from an (adapted) HF config.
+    """n_embd, n_ff, n_layer, n_head, n_head_kv, n_ctx, head_dim from an (adapted) HF config.
 
     Knows the Llama/Mistral (``num_key_value_heads``), Falcon (``num_kv_heads``,
-    ``ffn_hidden_size``) and OPT (``ffn_dim``) key names. Raises PowerInferError for a
-    missing or out-of-range dimension.
+    ``ffn_hidden_size``) and OPT (``ffn_dim``) key names. ``head_dim`` is the config's own
+    (Qwen3, Mistral-Nemo: not ``n_embd / n_head``) or ``n_embd / n_head``, which must then
+    divide. Raises PowerInferError for a missing or out-of-range dimension.
     """
     g = cfg.get
     n_embd = g("hidden_size") or g("n_embd") or g("d_model")
@@ -341,10 +354,15 @@ def hf_dims(cfg: dict[str, Any]) -> dict[str, int]:
     n_head_kv = g("num_key_value_heads") or g("num_kv_heads") or g("n_head_kv") or n_head
     n_ff = g("intermediate_size") or g("ffn_dim") or g("ffn_hidden_size") or (4 * n_embd if isinstance(n_embd, int) else None)
     n_ctx = g("max_position_embeddings") or g("max_sequence_length") or 2048
+    explicit = g("head_dim")
     out = dict(n_embd=n_embd, n_ff=n_ff, n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv, n_ctx=n_ctx)
+    if explicit is not None:
+        out["head_dim"] = explicit
     for k, v in out.items():
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v > 1 << 20:
             raise PowerInferError(f"config: {k} = {v!r} is missing or out of range")
-    if n_embd % n_head or n_head % n_head_kv:
-        raise PowerInferError(f"config: n_embd {n_embd}, n_head {n_head}, n_head_kv {n_head_kv} are inconsistent")
+    if (explicit is None and n_embd % n_head) or n_head % n_head_kv or out.get("head_dim", 2) % 2:
+        raise PowerInferError(f"config: n_embd {n_embd}, n_head {n_head}, n_head_kv {n_head_kv}"
+                              f"{f', head_dim {explicit}' if explicit is not None else ''} are inconsistent")
+    out.setdefault("head_dim", n_embd // n_head)
     return out

@@ -12,10 +12,17 @@ Upstream PowerInfer has no ProSparse path in its converters (``convert.py`` send
 ``SparseLlamaForCausalLM``) and its engine runs every ``llama`` PWRI file with plain
 ReLU, ignoring the threshold. We write ProSparse as ``llama`` plus our key
 ``powerinfer.activation_threshold``, which ``pi-run`` honours.
+
+A ``LlamaForCausalLM`` config whose activation is dense (SiLU: Llama 2, Llama 3.x) is the
+``llama3`` record (:mod:`.llama3`), which :func:`dense_llama` picks after the activation is
+known; GGUF ``llama`` files are read with this record either way (the runtime facts are
+the same, the file says the activation and RoPE scaling).
 """
 from __future__ import annotations
 
-from .base import Family, TensorRule, register_family
+from typing import Any
+
+from .base import FAMILIES, Family, TensorRule, activation_from_config, register_family
 
 _L = r"model\.layers\.(?P<bid>\d+)\."
 
@@ -35,6 +42,11 @@ LLAMA_RULES = (
 )
 LLAMA_LAYER = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm")
 
+
+def dense_llama(fam: Family, cfg: dict[str, Any]) -> Family:
+    """The ``llama3`` record for a config whose FFN activation is dense (SiLU), else ``fam``."""
+    return fam if activation_from_config(cfg, fam).is_sparse else FAMILIES["llama3"]
+
 RELU_LLAMA = register_family(Family(
     name="llama",
     hf_architectures=("LlamaForCausalLM",),
@@ -49,10 +61,13 @@ RELU_LLAMA = register_family(Family(
     tensor_rules=LLAMA_RULES,
     gguf_layer_tensors=LLAMA_LAYER,
     gguf_global_tensors=("token_embd", "output_norm", "output"),
+    dense_gguf_activation="silu",  # upstream PWRI llama files are ReLU, llama.cpp's dense ones SiLU
+    specialize=dense_llama,
 ))
 
 PROSPARSE = register_family(RELU_LLAMA.replace(
     name="prosparse",
     hf_architectures=("SparseLlamaForCausalLM",),
     hf_model_types=("sparsellama",),
+    specialize=None,
 ))

@@ -26,7 +26,8 @@ Checks, in order:
   ``token_embd`` / ``output`` have one row per token.
 * **metadata** (:func:`check_metadata`): the keys the toolkit reads have the right type
   (a number is not a bool or a string) and a sane value: dimensions in range, norm epsilons
-  in (0, 1], ``rope.freq_base`` in [1, :data:`MAX_ROPE_BASE`], the sparse threshold within
+  in (0, 1], ``rope.freq_base`` in [1, :data:`MAX_ROPE_BASE`], ``rope.scaling.factor`` in
+  [0, :data:`MAX_ROPE_SCALE`], ``rope.scaling.type`` a string, the sparse threshold within
   +-:data:`MAX_THRESHOLD` and FATReLU's in [0, :data:`MAX_THRESHOLD`] (all finite), tokens
   an array of strings, scores (no NaN) and token types one flat array entry per token, bos/eos
   ids inside the vocabulary (other special ids out of range are ignored, as llama.cpp does).
@@ -60,6 +61,7 @@ DEFAULT_ALIGNMENT = 32
 # model dimensions (read by runtime/args.py)
 MAX_DIM = 1 << 20
 MAX_CTX = 1 << 22
+MAX_ROPE_SCALE = 1 << 16  # rope.scaling.factor (Llama 3.1 uses 8, long-context YaRN files 4..64)
 from ..limits import MAX_LAYERS, MAX_ROPE_BASE, MAX_THRESHOLD  # noqa: E402,F401  (shared with the stages)
 
 # GGUF value types (gguf.GGUFValueType)
@@ -406,11 +408,15 @@ def check_metadata(h: Header) -> None:
         for key, hi in (("context_length", MAX_CTX), ("embedding_length", MAX_DIM), ("feed_forward_length", MAX_DIM),
                         ("block_count", MAX_LAYERS), ("attention.head_count", MAX_DIM),
                         ("attention.head_count_kv", MAX_DIM), ("rope.dimension_count", MAX_DIM),
-                        ("attention.sliding_window", MAX_CTX)):
+                        ("attention.sliding_window", MAX_CTX), ("attention.key_length", MAX_DIM),
+                        ("attention.value_length", MAX_DIM)):
             _int(h, f"{arch}.{key}", 1, hi)
         for key in ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon"):
             _float(h, f"{arch}.{key}", 0.0, 1.0, lo_open=True)
         _float(h, f"{arch}.rope.freq_base", 1.0, MAX_ROPE_BASE)
+        for key in ("rope.scaling.factor", "rope.scale_linear"):  # 0: no scaling (llama.cpp)
+            _float(h, f"{arch}.{key}", 0.0, MAX_ROPE_SCALE)
+        _kind(h, f"{arch}.rope.scaling.type", _STRING)
     _float(h, "powerinfer.sparse_threshold", -MAX_THRESHOLD, MAX_THRESHOLD, ints=True)
     _float(h, "powerinfer.activation_threshold", 0.0, MAX_THRESHOLD, ints=True)
     for key in ("powerinfer.activation", "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template"):

@@ -206,6 +206,7 @@ class BatchDecoder:
         q, k, v = qkv.split([a.n_head * hd, a.n_head_kv * hd, a.n_head_kv * hd], dim=-1)
         W, B = a.sliding_window, x.shape[0]
         q, k, v = q.reshape(B, a.n_head, hd), k.reshape(B, a.n_head_kv, hd), v.reshape(B, a.n_head_kv, hd)
+        q, k = layer.norm_qk(q, k)  # Qwen3's per-head norms (row by row, as alone)
         if m.rope is not None:  # elementwise: each row as it is alone (tests/test_batch.py checks the bits)
             p = torch.tensor(list(positions), dtype=torch.long)
             cos, sin = m.cos[p], m.sin[p]

@@ -300,7 +300,8 @@ def plan_dense(g, n_ctx: int, budget: int, cuda: bool) -> DensePlan:
     n_embd = int(g.require(f"{arch}.embedding_length"))
     n_head = int(g.require(f"{arch}.attention.head_count"))
     n_head_kv = int(g.get(f"{arch}.attention.head_count_kv", n_head))
-    kv = 2 * n_ctx * n_head_kv * (n_embd // n_head) * KV_ELEM_BYTES
+    head_dim = int(g.get(f"{arch}.attention.key_length", n_embd // n_head))
+    kv = 2 * n_ctx * n_head_kv * head_dim * KV_ELEM_BYTES
     layers, head = [kv] * n_layer, 0
     quant = False
     for t in g.reader.tensors:
@@ -430,6 +431,8 @@ def place_model(model, n_layers: int, head: bool, gpu_masks: list[np.ndarray] | 
             same = layer.ffn_norm is layer.attn_norm
             layer.attn_norm = _move_norm(layer.attn_norm, device, dtype)
             layer.ffn_norm = layer.attn_norm if same else _move_norm(layer.ffn_norm, device, dtype)
+            if layer.q_norm is not None:  # Qwen3's per-head Q/K norms
+                layer.q_norm, layer.k_norm = (_move_norm(n, device, dtype) for n in (layer.q_norm, layer.k_norm))
             for k in ("wqkv", "bqkv", "wo", "bo"):
                 setattr(layer, k, to_device(getattr(layer, k), device, dtype))
             layer.on_device = True

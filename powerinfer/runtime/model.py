@@ -7,8 +7,11 @@ which pieces it has (upstream PowerInfer's ``build_llama_variants``,
 
 * norms: RMSNorm without bias (Llama, Bamboo) or LayerNorm with bias (Falcon, OPT);
 * positions: GGML "normal" RoPE on Q/K rows stored permuted (Llama, Bamboo, so no
-  un-permuting is needed), NeoX rotate-half RoPE (Falcon), or learned absolute
-  positions added to the embedding (OPT, row ``p + 2`` for position ``p``);
+  un-permuting is needed), NeoX rotate-half RoPE (Falcon, Qwen2/3), or learned absolute
+  positions added to the embedding (OPT, row ``p + 2`` for position ``p``); RoPE
+  frequencies divided by ``rope_freqs.weight`` where the file has it (Llama 3.1+) and
+  positions scaled by the linear ``freq_scale`` (:func:`rope_tables`);
+* Q/K norms: a per-head RMSNorm of Q and K before RoPE (Qwen3's ``attn_q_norm``/``attn_k_norm``);
 * attention: fused QKV (Falcon's ``attn_qkv`` in the jploski order: all Q heads, all
   K, all V) or separate Q/K/V concatenated at load, optional biases (OPT), GQA,
   optional sliding window (Bamboo's Mistral body: query ``p`` sees keys ``> p - W``);
@@ -18,7 +21,8 @@ which pieces it has (upstream PowerInfer's ``build_llama_variants``,
 * output: ``output.weight``, or the token embedding when tied (OPT).
 
 Shapes: ``T`` tokens in this call, ``P`` the position of the first of them,
-``D = n_embd``, ``F = n_ff``, ``Hq/Hkv`` heads, ``d`` head dim.
+``D = n_embd``, ``F = n_ff``, ``Hq/Hkv`` heads, ``d`` head dim (``{arch}.attention.key_length``
+where the file gives it: Qwen3, Mistral-Nemo; else ``D / Hq``).
 """
 from __future__ import annotations
 
@@ -66,6 +70,14 @@ class Layer:
     bo: torch.Tensor | None  # [D]
     ffn: FFN
     on_device: bool = False  # attention, norms, predictor and KV cache on the offload device (hybrid.py)
+    q_norm: Norm | None = None  # [d] RMSNorm of every Q head before RoPE (Qwen3)
+    k_norm: Norm | None = None  # [d] RMSNorm of every K head before RoPE (Qwen3)
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q`` ``[T, Hq, d]`` and ``k`` ``[T, Hkv, d]`` through the per-head norms, if the layer has them."""
+        if self.q_norm is None:
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
 
 
 class KVCache:
@@ -126,11 +138,33 @@ def _available_memory() -> int | None:
     return None
 
 
-def rope_tables(n_ctx: int, n_rot: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin ``[n_ctx, n_rot/2]`` in fp32 (frequency ``i`` = ``base^(-2i/n_rot)``)."""
+def rope_tables(n_ctx: int, n_rot: int, base: float, freq_factors: torch.Tensor | None = None,
+                freq_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[n_ctx, n_rot/2]`` in fp32 of the angle ``p * freq_scale * base^(-2i/n_rot) / f_i``
+    for position ``p`` and pair ``i``, as ggml's ``rope_ext`` computes it: ``freq_factors``
+    ``[n_rot/2]`` the ``f_i`` (Llama 3's ``rope_freqs.weight``; None: all 1), ``freq_scale`` the
+    linear scaling (1 / ``rope.scaling.factor``)."""
     inv = 1.0 / (base ** (torch.arange(0, n_rot, 2, dtype=torch.float32) / n_rot))
-    ang = torch.outer(torch.arange(n_ctx, dtype=torch.float32), inv)
+    if freq_factors is not None:
+        inv = inv / freq_factors.float()
+    pos = torch.arange(n_ctx, dtype=torch.float32)
+    if freq_scale != 1.0:
+        pos = pos * freq_scale
+    ang = torch.outer(pos, inv)
     return ang.cos(), ang.sin()
+
+
+def load_rope_factors(g: GGUFFile, a: ModelArgs) -> torch.Tensor | None:
+    """``rope_freqs.weight`` ``[n_rot/2]`` fp32 when the file has it (Llama 3.1+), else None.
+    Raises PowerInferError for another shape or a factor that is not positive and finite."""
+    if "rope_freqs.weight" not in g.tensors:
+        return None
+    f = load_tensor(g, "rope_freqs.weight", torch.float32)
+    if tuple(f.shape) != (a.n_rot // 2,):
+        raise PowerInferError(f"{g.path}: rope_freqs.weight has shape {tuple(f.shape)}, expected [n_rot/2={a.n_rot // 2}]")
+    if not bool(torch.isfinite(f).all()) or not bool((f > 0).all()):
+        raise PowerInferError(f"{g.path}: rope_freqs.weight holds a factor that is not a positive finite number")
+    return f
 
 
 _RMS_NORM = getattr(F, "rms_norm", None)  # torch >= 2.4
@@ -290,7 +324,20 @@ def build_layer(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype, dense: bo
     else:
         attn_norm, ffn_norm = load_norm(g, p + "attn_norm", a, dtype), load_norm(g, p + "ffn_norm", a, dtype)
     wqkv, bqkv, wo, bo = load_attention(g, p, a, dtype, mapped)
-    return Layer(attn_norm, ffn_norm, wqkv, bqkv, wo, bo, (ffn_builder or build_ffn)(g, i, a, dtype, dense, mapped))
+    q_norm = k_norm = None
+    if a.family.qk_norm:  # Qwen3: RMSNorm over each head's d values, eps of the model's norms
+        q_norm, k_norm = (Norm(load_head_norm(g, f"{p}attn_{n}_norm.weight", a, dtype), None, a.norm_eps, True)
+                          for n in "qk")
+    return Layer(attn_norm, ffn_norm, wqkv, bqkv, wo, bo, (ffn_builder or build_ffn)(g, i, a, dtype, dense, mapped),
+                 q_norm=q_norm, k_norm=k_norm)
+
+
+def load_head_norm(g: GGUFFile, name: str, a: ModelArgs, dtype: torch.dtype) -> torch.Tensor:
+    """A per-head norm weight ``[d]`` (Qwen3's ``attn_q_norm``/``attn_k_norm``); PowerInferError otherwise."""
+    w = load_tensor(g, name, dtype)
+    if tuple(w.shape) != (a.head_dim,):
+        raise PowerInferError(f"{g.path}: {name} has shape {tuple(w.shape)}, expected [head_dim={a.head_dim}]")
+    return w
 
 
 class Transformer:
@@ -338,7 +385,7 @@ class Transformer:
         self.layers: list[Layer] = [build_layer(g, i, a, dtype, self.dense, mapped, ffn_builder)
                                     for i in range(a.n_layer)]
         self.rope = {"normal": apply_rope, "neox": apply_rope_neox, None: None}[fam.rope]
-        self.cos, self.sin = rope_tables(self.n_ctx, a.n_rot, a.rope_base)
+        self.cos, self.sin = rope_tables(self.n_ctx, a.n_rot, a.rope_base, load_rope_factors(g, a), a.rope_freq_scale)
         self.cache = KVCache(a.n_layer, self.n_ctx, a.n_head_kv, a.head_dim, dtype)
         self.mask_fn: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self.placement = None  # hybrid.DevicePlacement once offloaded: device, dtype, timing
@@ -368,7 +415,7 @@ class Transformer:
         T, hd = x.shape[0], a.head_dim
         qkv = linear(x, layer.wqkv, layer.bqkv)  # [T, (Hq + 2Hkv) d]
         q, k, v = qkv.split([a.n_head * hd, a.n_head_kv * hd, a.n_head_kv * hd], dim=-1)
-        q, k = q.view(T, a.n_head, hd), k.view(T, a.n_head_kv, hd)
+        q, k = layer.norm_qk(q.view(T, a.n_head, hd), k.view(T, a.n_head_kv, hd))
         if self.rope is not None:
             cos, sin = self._rope(x.device, pos, T)
             q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
