@@ -67,7 +67,7 @@ def llama3_factors(head_dim: int, base: float, factor: float, low_freq_factor: f
     freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     lo_wave, hi_wave = original_ctx / low_freq_factor, original_ctx / high_freq_factor
     out = []
-    for f in freqs.tolist():
+    for f in freqs:  # 0-d float32 tensors: the arithmetic rounds as in llama.cpp's converter (same bits)
         wave = 2 * math.pi / f
         if wave < hi_wave:
             out.append(1.0)
@@ -75,7 +75,7 @@ def llama3_factors(head_dim: int, base: float, factor: float, low_freq_factor: f
             out.append(factor)
         else:
             s = (original_ctx / wave - low_freq_factor) / (high_freq_factor - low_freq_factor)
-            out.append(1 / ((1 - s) / factor + s))
+            out.append(float(1 / ((1 - s) / factor + s)))
     return torch.tensor(out, dtype=torch.float32)
 
 
