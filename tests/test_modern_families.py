@@ -256,3 +256,29 @@ def test_relu_llama_is_still_the_relu_record_and_llama_gguf_arch_reads_with_it(t
 
     assert resolve_model(make_relu_llama(tmp_path / "relu"))[0].name == "llama"
     assert family_for_gguf_arch("llama").name == "llama"
+
+
+@pytest.mark.parametrize("key, vtype, value, msg", [
+    ("llama.attention.key_length", 4, 0, "llama.attention.key_length"),
+    ("llama.attention.value_length", 4, 1 << 21, "llama.attention.value_length"),
+    ("llama.rope.scaling.factor", F32, -2.0, "llama.rope.scaling.factor"),
+    ("llama.rope.scaling.type", 4, 3, "llama.rope.scaling.type"),
+])
+def test_head_and_rope_keys_are_validated_at_open(tmp_path, key, vtype, value, msg):
+    """Out-of-range head sizes, a negative scaling factor or a non-string scaling type: one line
+    naming the file and the key when the file is opened, before anything is read from it."""
+    g = parse(need(LLAMACPP / "llama3.gguf").read_bytes())
+    g.kvs = [k for k in g.kvs if k.key != key] + [KV(key, vtype, value)]
+    p = tmp_path / "bad.gguf"
+    p.write_bytes(serialize(g))
+    with pytest.raises(PowerInferError, match=f"{re.escape(str(p))}: metadata {re.escape(msg)}"):
+        open_gguf(p)
+
+
+def test_value_length_other_than_key_length_is_refused(tmp_path):
+    g = parse(need(LLAMACPP / "llama3.gguf").read_bytes())
+    g.kv("llama.attention.value_length").value = 32
+    p = tmp_path / "kv.gguf"
+    p.write_bytes(serialize(g))
+    with pytest.raises(PowerInferError, match=f"{re.escape(str(p))}: llama.attention.value_length 32 != key_length 16"):
+        Transformer(open_gguf(p))
