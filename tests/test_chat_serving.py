@@ -162,3 +162,11 @@ def test_pi_run_cnv_passes_template_kwargs(thinking_gguf):
     r = subprocess.run([sys.executable, "-m", "powerinfer.runtime.cli", "-m", str(thinking_gguf), "-p", "x",
                         "--chat-template-kwargs", "{}"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "for chat mode (-cnv)" in r.stderr
+
+
+@pytest.mark.parametrize("bad, needle", [('{"enable_thinking": "yes"}', "--chat-template-kwargs.enable_thinking"),
+                                         ("[]", "--chat-template-kwargs: must be a JSON object")])
+def test_pi_server_refuses_bad_template_kwargs_before_loading(thinking_gguf, bad, needle):
+    r = subprocess.run([sys.executable, "-m", "powerinfer.server.cli", "-m", str(thinking_gguf), "--port", "0",
+                        "--chat-template-kwargs", bad], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and needle in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
