@@ -115,7 +115,8 @@ def test_thinking_text_comes_back_as_reasoning_content(client):
     assert "".join(d.get("content", "") for d in deltas) == ""
     # thinking off: no open tag in the prompt, the reply is all content
     code, out = _chat(client, chat_template_kwargs={"enable_thinking": False})
-    assert code == 200 and out["choices"][0]["message"]["content"] and "reasoning_content" not in out["choices"][0]["message"]
+    msg = out["choices"][0]["message"]
+    assert code == 200 and msg["content"] and "reasoning_content" not in msg
     code, out = _chat(client, reasoning_format="sideways")
     assert code == 400 and "reasoning_format" in out["error"]["message"]
 

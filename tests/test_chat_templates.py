@@ -6,8 +6,6 @@ template's own message and line. The templates are llama.cpp's copies (tests/dat
 MIT); the reference is computed here, by transformers itself, on a tokenizer built in memory."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import jinja2
 import pytest
 
@@ -183,8 +181,8 @@ def test_kwargs_override_the_special_tokens_as_in_transformers():
     tok = _hf_tokenizer("<s>", "</s>")
     for kw in ({"flag": 3}, {"flag": [1, "a"], "bos_token": "B"}):
         want = tok.apply_chat_template(CONVERSATIONS["user"], chat_template=src, tokenize=False, **kw)
-        got = ChatTemplate(src, "<s>", "</s>", kwargs={"flag": 0}).render(CONVERSATIONS["user"], add_generation_prompt=False,
-                                                                         kwargs=kw)
+        t = ChatTemplate(src, "<s>", "</s>", kwargs={"flag": 0})
+        got = t.render(CONVERSATIONS["user"], add_generation_prompt=False, kwargs=kw)
         assert got == want
     assert ChatTemplate(src, "<s>", "</s>", kwargs={"flag": 7}).render([]) == "<s>|</s>|7|None|None"
 

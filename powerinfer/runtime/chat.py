@@ -93,6 +93,10 @@ def _template_line(e: BaseException) -> int | None:
     return line
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
 def check_template_kwargs(value: Any, where: str = "chat_template_kwargs") -> dict[str, Any]:
     """Template kwargs as given on a command line (``--chat-template-kwargs``, a JSON object) or in a
     request (``chat_template_kwargs``), checked: a JSON object (a str is parsed) of at most
@@ -102,7 +106,7 @@ def check_template_kwargs(value: Any, where: str = "chat_template_kwargs") -> di
     server refuses a string there too). Raises PowerInferError naming ``where`` and the key."""
     if isinstance(value, str):
         try:
-            value = json.loads(value, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(f"{c} is not JSON")))
+            value = json.loads(value, parse_constant=_no_constant)
         except (ValueError, RecursionError) as e:
             raise PowerInferError(f"{where}: not a JSON object ({e})") from None
     if value is None:
@@ -276,8 +280,8 @@ class ChatTemplate:
 
     def _find_end_marker(self) -> str:
         try:
-            text = self.render([{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_REPLY}],
-                               add_generation_prompt=False)
+            probe = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_REPLY}]
+            text = self.render(probe, add_generation_prompt=False)
         except PowerInferError:
             return ""
         at = text.find(_PROBE_REPLY)
