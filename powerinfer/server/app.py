@@ -11,6 +11,7 @@ cancels its request at the next token.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import secrets
@@ -26,8 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import PowerInferError
 from ..runtime.chat import REASONING_KEYS, ChatTemplate, chat_prompt_ids, check_template_kwargs
-from ..runtime.reasoning import ReasoningSplitter, opens_thinking, thinks
 from ..runtime.generate import SamplerSettings
+from ..runtime.reasoning import ReasoningSplitter, opens_thinking, thinks
 from .engine import Job, QueueFull, Result
 from .scheduler import Scheduler
 from .protocol import ChatRequest, CompletionRequest, DetokenizeRequest, NativeCompletionRequest, TokenizeRequest
@@ -131,8 +132,7 @@ def create_app(state: ServerState) -> FastAPI:
         fmt = req.reasoning_format or state.reasoning_format
         split = None
         if fmt != "none" and thinks(state.template.source):
-            open_at_start = opens_thinking(text)
-            split = lambda: ReasoningSplitter(open_at_start)  # noqa: E731
+            split = functools.partial(ReasoningSplitter, opens_thinking(text))
         return await _respond(request, state, req, ids, limit, "chat", split)
 
     @api.post("/completion")
