@@ -33,16 +33,20 @@ TEMPLATE = (
 MSGS = [{"role": "user", "content": "Tell me a story."}]
 
 
-@pytest.fixture(scope="module")
-def thinking_gguf(tmp_path_factory, stories_hf):
-    d = tmp_path_factory.mktemp("think") / "hf"
+def _gguf_with_template(tmp_path_factory, stories_hf, template: str, name: str):
+    d = tmp_path_factory.mktemp(name) / "hf"
     shutil.copytree(stories_hf, d)
     for p in d.iterdir():
         p.chmod(0o644)
     cfg = json.loads((d / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = TEMPLATE
+    cfg["chat_template"] = template
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return convert(d, d.parent / "think.gguf", outtype="f32", progress=False)
+    return convert(d, d.parent / f"{name}.gguf", outtype="f32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def thinking_gguf(tmp_path_factory, stories_hf):
+    return _gguf_with_template(tmp_path_factory, stories_hf, TEMPLATE, "think")
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +175,17 @@ def test_pi_server_refuses_bad_template_kwargs_before_loading(thinking_gguf, bad
     r = subprocess.run([sys.executable, "-m", "powerinfer.server.cli", "-m", str(thinking_gguf), "--port", "0",
                         "--chat-template-kwargs", bad], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and needle in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
+
+
+def test_a_broken_template_is_named_before_the_model_loads(tmp_path_factory, stories_hf):
+    path = _gguf_with_template(tmp_path_factory, stories_hf, "{% for m in messages %}\n{{ m.content }\n{% endfor %}",
+                               "broken")
+    for cmd in (["powerinfer.runtime.cli", "-m", str(path), "-cnv"],
+                ["powerinfer.server.cli", "-m", str(path), "--port", "0"]):
+        r = subprocess.run([sys.executable, "-m", *cmd], input="Hi\n", capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and r.stderr.strip().count("\n") == 0, r.stderr
+        assert f"{path}: tokenizer.chat_template: not a valid Jinja template (line 2: " in r.stderr, r.stderr
+    # plain completion does not need the template
+    r = subprocess.run([sys.executable, "-m", "powerinfer.runtime.cli", "-m", str(path), "-p", "Once", "-n", "2"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr

@@ -336,6 +336,19 @@ def template_for(tok, kwargs: Mapping[str, Any] | None = None) -> ChatTemplate:
                         kwargs)
 
 
+def check_file_template(path, kwargs: Mapping[str, Any] | None = None) -> None:
+    """Compile the chat template of the GGUF at ``path`` (its header only, nothing mapped), so that a
+    front end refuses a broken one before loading the model. Raises PowerInferError naming the file
+    and the template's error (its line)."""
+    from ..formats.gguf_file import check_gguf
+
+    source = check_gguf(path).scalar("tokenizer.chat_template")
+    try:
+        ChatTemplate(source, kwargs=kwargs)
+    except PowerInferError as e:
+        raise PowerInferError(f"{path}: {e}") from None
+
+
 def chat_prompt_ids(tok, text: str) -> list[int]:
     """Token ids of a rendered chat prompt: control-token text parsed as tokens, and BOS first
     when the tokenizer adds one and the template did not already write it."""

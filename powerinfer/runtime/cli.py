@@ -226,6 +226,10 @@ def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_
         from .chat import check_template_kwargs
 
         template_kwargs = check_template_kwargs(template_kwargs, "--chat-template-kwargs")
+    if conversation:
+        from .chat import check_file_template
+
+        check_file_template(model_path, template_kwargs)  # a broken template is named before the model loads
     from . import kernels
     from .generate import SamplerSettings, count_fired, generate
     from .loading import open_for_inference

@@ -92,12 +92,11 @@ def main(model_path, host, port, ctx_size, n_parallel, ubatch, ffn_batch, metric
                               "FFN rows from full matrices); serve one request at a time under a RAM budget")
     check_ctx_size(ctx_size)
     check_threads(threads)
-    from ..runtime.chat import check_template_kwargs
+    from ..runtime.chat import check_file_template, check_template_kwargs
 
     template_kwargs = check_template_kwargs(template_kwargs, "--chat-template-kwargs")
-    from ..formats.gguf_file import check_gguf
-
-    check_gguf(model_path)  # the header only (the model loads after the port check): a bad file is named first
+    # the header only (the model loads after the port check): a bad file or chat template is named first
+    check_file_template(model_path, template_kwargs)
     _check_port_free(host, port)
     import uvicorn
 
