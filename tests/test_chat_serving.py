@@ -189,3 +189,17 @@ def test_a_broken_template_is_named_before_the_model_loads(tmp_path_factory, sto
     r = subprocess.run([sys.executable, "-m", "powerinfer.runtime.cli", "-m", str(path), "-p", "Once", "-n", "2"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_apply_template_returns_the_rendered_prompt(client):
+    past = MSGS + [{"role": "assistant", "content": "Yes.", "reasoning_content": "a dog story"}]
+    off = {"enable_thinking": False}
+    for body, kw, gen in [({}, {}, True), ({"chat_template_kwargs": off}, off, True),
+                          ({"add_generation_prompt": False}, {}, False)]:
+        r = client.post("/apply-template", json={"messages": past, **body})
+        assert r.status_code == 200
+        assert r.json() == {"prompt": client.template.render(past, add_generation_prompt=gen, kwargs=kw)}
+    assert client.post("/apply-template", json={"messages": past}).json()["prompt"] == (
+        "<s>user: Tell me a story.\nassistant: <think>a dog story</think>Yes.\nassistant: <think>\n")
+    r = client.post("/apply-template", json={"messages": MSGS, "chat_template_kwargs": {"refuse": True}})
+    assert r.status_code == 400 and "refused by request" in r.json()["error"]["message"]

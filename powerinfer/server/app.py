@@ -31,7 +31,8 @@ from ..runtime.generate import SamplerSettings
 from ..runtime.reasoning import ReasoningSplitter, opens_thinking, thinks
 from .engine import Job, QueueFull, Result
 from .scheduler import Scheduler
-from .protocol import ChatRequest, CompletionRequest, DetokenizeRequest, NativeCompletionRequest, TokenizeRequest
+from .protocol import (ApplyTemplateRequest, ChatRequest, CompletionRequest, DetokenizeRequest,
+                       NativeCompletionRequest, TokenizeRequest)
 
 POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 
@@ -115,17 +116,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request):
         req = await _parse(request, state, ChatRequest)
         _check_model(state, req.model)
-        try:
-            kwargs = check_template_kwargs(req.chat_template_kwargs, "chat_template_kwargs")
-        except PowerInferError as e:
-            raise HTTPError(400, str(e), param="chat_template_kwargs") from None
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content,
-                     **{k: v for k, v in (m.model_extra or {}).items() if k in REASONING_KEYS}}
-                    for m in req.messages]
-        try:
-            text = state.template.render(messages, add_generation_prompt=True, kwargs=kwargs)
-        except PowerInferError as e:
-            raise HTTPError(400, str(e), param="messages") from None
+        text = _render_chat(state, req, add_generation_prompt=True)
         ids = await asyncio.to_thread(chat_prompt_ids, state.tok, text)
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         req.stop = list(req.stop) + [s for s in state.template.stop_strings if s not in req.stop]
@@ -134,6 +125,13 @@ def create_app(state: ServerState) -> FastAPI:
         if fmt != "none" and thinks(state.template.source):
             split = functools.partial(ReasoningSplitter, opens_thinking(text))
         return await _respond(request, state, req, ids, limit, "chat", split)
+
+    @api.post("/apply-template")
+    async def apply_template(request: Request) -> dict:
+        """llama-server's ``POST /apply-template``: ``{"prompt": text}``, the conversation as the chat
+        endpoint renders it (BOS text kept when the template writes it)."""
+        req = await _parse(request, state, ApplyTemplateRequest)
+        return {"prompt": _render_chat(state, req, req.add_generation_prompt)}
 
     @api.post("/completion")
     async def native_completion(request: Request):
@@ -256,6 +254,23 @@ def _check_model(state: ServerState, name: str | None) -> None:
     if name is not None and name not in state.names:
         raise HTTPError(404, f"the model '{name}' does not exist here; this server has '{state.model_id}' "
                              f"(GET /v1/models)", param="model", code="model_not_found")
+
+
+def _render_chat(state: ServerState, req, add_generation_prompt: bool) -> str:
+    """The request's ``messages`` (``developer`` read as ``system``, a past reply's reasoning kept)
+    rendered with the chat template and its ``chat_template_kwargs``; 400 for bad kwargs or a
+    conversation the template refuses."""
+    try:
+        kwargs = check_template_kwargs(req.chat_template_kwargs, "chat_template_kwargs")
+    except PowerInferError as e:
+        raise HTTPError(400, str(e), param="chat_template_kwargs") from None
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content,
+                 **{k: v for k, v in (m.model_extra or {}).items() if k in REASONING_KEYS}}
+                for m in req.messages]
+    try:
+        return state.template.render(messages, add_generation_prompt=add_generation_prompt, kwargs=kwargs)
+    except PowerInferError as e:
+        raise HTTPError(400, str(e), param="messages") from None
 
 
 def _prompt_ids(state: ServerState, prompt: Any) -> list[int]:

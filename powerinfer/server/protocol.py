@@ -108,6 +108,14 @@ class ChatRequest(_Sampling):
     stream_options: StreamOptions | None = None
 
 
+class ApplyTemplateRequest(_Base):
+    """llama.cpp's ``POST /apply-template``: the chat prompt text, rendered and not generated from."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+
 class NativeCompletionRequest(_Sampling):
     """llama.cpp's ``POST /completion``: ``n_predict`` (or its alias ``max_tokens``) -1 generates
     until the end of text; ``penalty_last_n`` is an alias of ``repeat_last_n``."""
