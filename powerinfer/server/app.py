@@ -1,5 +1,7 @@
 """The HTTP API: OpenAI's ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, llama.cpp's
-``/completion`` and ``/health``, on FastAPI.
+``/completion``, ``/apply-template`` and ``/health``, on FastAPI. A chat is rendered with the model's
+template and the request's ``chat_template_kwargs`` (over ``--chat-template-kwargs``); a thinking
+model's ``<think>`` text comes back as ``reasoning_content`` unless ``reasoning_format`` is ``none``.
 
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a
 malformed body (bad JSON, a wrong type or range, a prompt or ``max_tokens`` that does not

@@ -82,8 +82,8 @@ def _check_port_free(host: str, port: int) -> None:
 def main(model_path, host, port, ctx_size, n_parallel, ubatch, ffn_batch, metrics, threads, dense, dtype,
          kernel_backend, vram_budget, ram_budget, alias, api_key, max_queue, template_kwargs, reasoning_format,
          log_level):
-    """Serve a model: POST /v1/completions, /v1/chat/completions (stream or not), /completion; GET /v1/models,
-    /health, /slots, /metrics. -np N requests are decoded at once (continuous batching), more wait in arrival order."""
+    """Serve a model: POST /v1/completions, /v1/chat/completions (stream or not), /completion, /apply-template;
+    GET /v1/models, /health, /slots, /metrics. -np N requests are decoded at once (continuous batching), more wait in arrival order."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(message)s")
     if api_key is not None and not api_key.strip():
         raise PowerInferError("--api-key: empty")
