@@ -83,7 +83,8 @@ def main(model_path, host, port, ctx_size, n_parallel, ubatch, ffn_batch, metric
          kernel_backend, vram_budget, ram_budget, alias, api_key, max_queue, template_kwargs, reasoning_format,
          log_level):
     """Serve a model: POST /v1/completions, /v1/chat/completions (stream or not), /completion, /apply-template;
-    GET /v1/models, /health, /slots, /metrics. -np N requests are decoded at once (continuous batching), more wait in arrival order."""
+    GET /v1/models, /health, /slots, /metrics. -np N requests are decoded at once (continuous batching), more wait
+    in arrival order."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(message)s")
     if api_key is not None and not api_key.strip():
         raise PowerInferError("--api-key: empty")
