@@ -210,3 +210,73 @@ def test_a_template_that_fails_names_its_error_and_line(src, needle):
     with pytest.raises(TemplateError, match=needle) as e:
         ChatTemplate(src).render(CONVERSATIONS["user"])
     assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------ llama.cpp's rendering, when its engine is here
+def _llama_server():
+    import os
+
+    d = os.environ.get("POWERINFER_LLAMA_CPP_BIN")  # a folder with llama-server (built outside the repository)
+    if not d or not os.path.isfile(os.path.join(d, "llama-server")):
+        pytest.skip("llama.cpp's llama-server is not here (set POWERINFER_LLAMA_CPP_BIN to its folder)")
+    return d
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_real_templates_render_as_llama_cpp_does(name, tmp_path):
+    """The same templates through llama-server's ``POST /apply-template`` (its own Jinja engine, on the
+    stories260K GGUF, BOS ``<s>``): equal to ours but for what llama.cpp does on purpose: it drops the
+    BOS text the template writes (its tokenizer adds BOS), it gives ``date_string`` today's date (a
+    template's own default is used by transformers), a conversation that ends with a reply is continued
+    rather than closed (prefill), and (Devstral) it drops a reply's content when the reply has reasoning."""
+    import os
+    import socket
+    import subprocess
+    import time
+
+    import httpx
+
+    bindir = _llama_server()
+    file, _, kw_sets, _ = CASES[name]
+    src_path = need(TEMPLATES / file)
+    src = src_path.read_text(encoding="utf-8")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "LD_LIBRARY_PATH": bindir}
+    proc = subprocess.Popen([os.path.join(bindir, "llama-server"), "-m", str(need(DATA / "stories260K" /
+                             "stories260K.ggml-org.gguf")), "--port", str(port), "-t", "1", "--jinja",
+                             "--chat-template-file", str(src_path)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        compared = 0
+        for kw in kw_sets:
+            for conv_name, msgs in CONVERSATIONS.items():
+                refused = conv_name in ("two-users", "assistant-first", "system-after-user")
+                reasons = any(k in m for m in msgs for k in ("reasoning_content", "thinking", "reasoning"))
+                if msgs[-1]["role"] == "assistant" or refused or (name == "devstral" and reasons):
+                    continue
+                for gen in (True, False):
+                    for _ in range(2):  # today's date may change between the two renders
+                        body = {"messages": msgs, "add_generation_prompt": gen, "chat_template_kwargs": kw}
+                        theirs = httpx.post(url + "/apply-template", timeout=30, json=body).json()["prompt"]
+                        today = {"date_string": time.strftime("%d %b %Y")} if "date_string" in src else {}
+                        ours = ChatTemplate(src, "<s>", "</s>").render(msgs, add_generation_prompt=gen,
+                                                                      kwargs={**today, **kw})
+                        ours = ours.removeprefix("<s>")
+                        if ours == theirs:
+                            break
+                    assert ours == theirs, (conv_name, gen, kw)
+                    compared += 1
+        assert compared >= 12  # 6 to 9 conversations, with and without the generation prompt
+    finally:
+        proc.terminate()
+        proc.wait(10)
