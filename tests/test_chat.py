@@ -63,7 +63,10 @@ def test_default_template_is_chatml():
     assert t.is_default and t.stop_strings == ("<|im_end|>",)
     assert t.render(CONVERSATION[1:2]) == "<|im_start|>user\n  Hello there! <|im_end|>\n<|im_start|>assistant\n"
     assert t.render(CONVERSATION[1:2], add_generation_prompt=False).endswith("<|im_end|>\n")
-    assert ChatTemplate(DEFAULT_TEMPLATE).stop_strings == ()  # only the built-in default adds a stop string
+    # a template's own end marker is its stop string (what it writes after an assistant message)
+    assert ChatTemplate(DEFAULT_TEMPLATE).stop_strings == ("<|im_end|>",)
+    assert ChatTemplate(TEMPLATES["zephyr"]["chat_template"], "<s>", "</s>").stop_strings == ("</s>",)
+    assert ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}").stop_strings == ()
 
 
 @pytest.mark.parametrize("src, needle", [

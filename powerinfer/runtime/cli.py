@@ -186,13 +186,16 @@ def bench_report(model: "Transformer", st: "GenStats", path: str) -> str:
 @click.option("-i", "--interactive", is_flag=True,
               help="Continue the prompt, then read a line, append it, continue again (plain text, no template).")
 @click.option("-sys", "--system-prompt", default=None, help="The system message for -cnv.")
+@click.option("--chat-template-kwargs", "template_kwargs", default=None, metavar="JSON",
+              help="Template variables for -cnv, a JSON object, e.g. '{\"enable_thinking\": false}' (Qwen3) or "
+                   "'{\"date_string\": \"03 Dec 2026\"}' (Llama 3.x), as llama.cpp's option.")
 @click.option("--bench", is_flag=True,
               help="Greedy, ignore EOS, no text: report tokens/s, FFN share of decode time, active share.")
 @version_option("pi-run")
 @cli_errors
 def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
          seed, ignore_eos, threads, dense, vram_budget, ram_budget, activation_dir, reset_gpu_index, disable_gpu_index, dtype,
-         kernel_backend, conversation, interactive, system_prompt, bench):
+         kernel_backend, conversation, interactive, system_prompt, template_kwargs, bench):
     """Generate text with sparse FFNs: only the neurons the predictor marks active are computed."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     # every value and input file is checked before torch is imported (seconds on a cold start)
@@ -217,6 +220,16 @@ def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_
         if src == click.core.ParameterSource.COMMANDLINE or prompt_file is not None:
             raise PowerInferError("-sys and -p/-f: in chat mode both set the system prompt; give one")
         check_text(system_prompt, "-sys")
+    if template_kwargs is not None:
+        if not conversation:
+            raise PowerInferError("--chat-template-kwargs: template variables are for chat mode (-cnv)")
+        from .chat import check_template_kwargs
+
+        template_kwargs = check_template_kwargs(template_kwargs, "--chat-template-kwargs")
+    if conversation:
+        from .chat import check_file_template
+
+        check_file_template(model_path, template_kwargs)  # a broken template is named before the model loads
     from . import kernels
     from .generate import SamplerSettings, count_fired, generate
     from .loading import open_for_inference
@@ -231,7 +244,7 @@ def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_
         src = click.get_current_context().get_parameter_source("prompt")
         given = src == click.core.ParameterSource.COMMANDLINE or prompt_file is not None
         system = system_prompt if system_prompt is not None else (prompt if given else None)
-        return run_chat(model, tok, sampler, n_predict, system, ignore_eos)
+        return run_chat(model, tok, sampler, n_predict, system, ignore_eos, template_kwargs)
     ids = tok.encode(prompt)
     if len(ids) >= model.n_ctx:
         hint = (f"shorten it or raise -c up to the model's context length {model.max_ctx}"
@@ -293,13 +306,14 @@ def _summary(log, model) -> None:
                      f"reused from the KV cache, {n_gen} generated{tps} ({'dense' if model.dense else 'sparse'})\n")
 
 
-def run_chat(model, tok, sampler, n_predict, system, ignore_eos) -> None:
-    """``-cnv``: the terminal chat (see :mod:`powerinfer.runtime.interactive`)."""
+def run_chat(model, tok, sampler, n_predict, system, ignore_eos, template_kwargs=None) -> None:
+    """``-cnv``: the terminal chat (see :mod:`powerinfer.runtime.interactive`); ``template_kwargs``:
+    variables for every render of the template (checked)."""
     from .chat import template_for
     from .interactive import chat_loop
     from .session import Session
 
-    template = template_for(tok)
+    template = template_for(tok, template_kwargs)
     if template.is_default:
         sys.stderr.write("note: this model has no chat template (tokenizer.chat_template); using ChatML\n")
     log = chat_loop(Session(model, tok), template, sampler, n_predict, _read_line, sys.stdout, sys.stderr,

@@ -1,5 +1,7 @@
 """The HTTP API: OpenAI's ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, llama.cpp's
-``/completion`` and ``/health``, on FastAPI.
+``/completion``, ``/apply-template`` and ``/health``, on FastAPI. A chat is rendered with the model's
+template and the request's ``chat_template_kwargs`` (over ``--chat-template-kwargs``); a thinking
+model's ``<think>`` text comes back as ``reasoning_content`` unless ``reasoning_format`` is ``none``.
 
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a
 malformed body (bad JSON, a wrong type or range, a prompt or ``max_tokens`` that does not
@@ -11,6 +13,7 @@ cancels its request at the next token.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import secrets
@@ -25,11 +28,13 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import PowerInferError
-from ..runtime.chat import ChatTemplate, chat_prompt_ids
+from ..runtime.chat import REASONING_KEYS, ChatTemplate, chat_prompt_ids, check_template_kwargs
 from ..runtime.generate import SamplerSettings
+from ..runtime.reasoning import ReasoningSplitter, opens_thinking, thinks
 from .engine import Job, QueueFull, Result
 from .scheduler import Scheduler
-from .protocol import ChatRequest, CompletionRequest, DetokenizeRequest, NativeCompletionRequest, TokenizeRequest
+from .protocol import (ApplyTemplateRequest, ChatRequest, CompletionRequest, DetokenizeRequest,
+                       NativeCompletionRequest, TokenizeRequest)
 
 POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 
@@ -47,10 +52,11 @@ def _error_response(e: HTTPError) -> JSONResponse:
 
 
 class ServerState:
-    """What the handlers share: the engine, the model's name and limits, the chat template."""
+    """What the handlers share: the engine, the model's name and limits, the chat template and how
+    a thinking model's reasoning is returned (``reasoning_format``, see :mod:`~powerinfer.runtime.reasoning`)."""
 
     def __init__(self, engine: Scheduler, model_path: str, alias: str | None, api_key: str | None,
-                 max_body_bytes: int, template: ChatTemplate, metrics: bool = False):
+                 max_body_bytes: int, template: ChatTemplate, metrics: bool = False, reasoning_format: str = "auto"):
         self.engine, self.tok, self.model = engine, engine.tok, engine.model
         self.metrics = metrics  # GET /metrics enabled (--metrics)
         self.model_path = str(model_path)
@@ -58,6 +64,7 @@ class ServerState:
         self.names = {self.model_id, Path(model_path).name, Path(model_path).stem, str(model_path)}
         self.api_key, self.max_body_bytes, self.template = api_key, max_body_bytes, template
         self.created = int(time.time())
+        self.reasoning_format = reasoning_format
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -111,16 +118,22 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request):
         req = await _parse(request, state, ChatRequest)
         _check_model(state, req.model)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content}
-                    for m in req.messages]
-        try:
-            text = state.template.render(messages, add_generation_prompt=True)
-        except PowerInferError as e:
-            raise HTTPError(400, str(e), param="messages") from None
+        text = _render_chat(state, req, add_generation_prompt=True)
         ids = await asyncio.to_thread(chat_prompt_ids, state.tok, text)
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         req.stop = list(req.stop) + [s for s in state.template.stop_strings if s not in req.stop]
-        return await _respond(request, state, req, ids, limit, "chat")
+        fmt = req.reasoning_format or state.reasoning_format
+        split = None
+        if fmt != "none" and thinks(state.template.source):
+            split = functools.partial(ReasoningSplitter, opens_thinking(text))
+        return await _respond(request, state, req, ids, limit, "chat", split)
+
+    @api.post("/apply-template")
+    async def apply_template(request: Request) -> dict:
+        """llama-server's ``POST /apply-template``: ``{"prompt": text}``, the conversation as the chat
+        endpoint renders it (BOS text kept when the template writes it)."""
+        req = await _parse(request, state, ApplyTemplateRequest)
+        return {"prompt": _render_chat(state, req, req.add_generation_prompt)}
 
     @api.post("/completion")
     async def native_completion(request: Request):
@@ -245,6 +258,23 @@ def _check_model(state: ServerState, name: str | None) -> None:
                              f"(GET /v1/models)", param="model", code="model_not_found")
 
 
+def _render_chat(state: ServerState, req, add_generation_prompt: bool) -> str:
+    """The request's ``messages`` (``developer`` read as ``system``, a past reply's reasoning kept)
+    rendered with the chat template and its ``chat_template_kwargs``; 400 for bad kwargs or a
+    conversation the template refuses."""
+    try:
+        kwargs = check_template_kwargs(req.chat_template_kwargs, "chat_template_kwargs")
+    except PowerInferError as e:
+        raise HTTPError(400, str(e), param="chat_template_kwargs") from None
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content,
+                 **{k: v for k, v in (m.model_extra or {}).items() if k in REASONING_KEYS}}
+                for m in req.messages]
+    try:
+        return state.template.render(messages, add_generation_prompt=add_generation_prompt, kwargs=kwargs)
+    except PowerInferError as e:
+        raise HTTPError(400, str(e), param="messages") from None
+
+
 def _prompt_ids(state: ServerState, prompt: Any) -> list[int]:
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         if len(prompt) != 1:
@@ -337,7 +367,11 @@ def _sse(obj: Any) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
 
-async def _respond(request: Request, state: ServerState, req, ids: list[int], max_tokens: int | None, kind: str):
+async def _respond(request: Request, state: ServerState, req, ids: list[int], max_tokens: int | None, kind: str,
+                   split=None):
+    """Submit the job and answer: one JSON body, or server-sent events when ``req.stream``. ``split``:
+    for a chat of a thinking model, makes the :class:`ReasoningSplitter` that moves the reply's
+    ``<think>`` text to ``reasoning_content``."""
     job = _job(asyncio.get_running_loop(), state, req, ids, max_tokens)
     try:
         state.engine.submit(job)
@@ -348,7 +382,8 @@ async def _respond(request: Request, state: ServerState, req, ids: list[int], ma
     shape = _Shape(kind, rid, created, state.model_id)
     if req.stream:
         include_usage = bool(getattr(req, "stream_options", None) and req.stream_options.include_usage)
-        return StreamingResponse(_stream(request, job, shape, include_usage), media_type="text/event-stream",
+        return StreamingResponse(_stream(request, job, shape, include_usage, split() if split else None),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     parts: list[str] = []
     async for ev, value in _events(request, job):
@@ -357,21 +392,42 @@ async def _respond(request: Request, state: ServerState, req, ids: list[int], ma
         elif ev == "error":
             raise HTTPError(500, value, "server_error")
         elif ev == "done":
-            return JSONResponse(shape.whole("".join(parts), value))
+            text, reasoning = "".join(parts), None
+            if split is not None:
+                s = split()
+                s.feed(text)
+                s.flush()
+                text, reasoning = s.content, s.reasoning
+            return JSONResponse(shape.whole(text, value, reasoning))
     return JSONResponse({"error": {"message": "cancelled", "type": "server_error", "param": None, "code": None}},
                         status_code=499)
 
 
-async def _stream(request: Request, job: Job, shape: "_Shape", include_usage: bool) -> AsyncIterator[bytes]:
+async def _stream(request: Request, job: Job, shape: "_Shape", include_usage: bool,
+                  splitter: ReasoningSplitter | None = None) -> AsyncIterator[bytes]:
+    def deltas(parts: tuple[str, str]):
+        reasoning, content = parts
+        if reasoning:
+            yield _sse(shape.chunk({"reasoning_content": reasoning}, None))
+        if content:
+            yield _sse(shape.chunk(content, None))
+
     if shape.kind == "chat":
         yield _sse(shape.chunk({"role": "assistant", "content": ""}, None))
     async for ev, value in _events(request, job):
         if ev == "text":
-            yield _sse(shape.chunk(value, None))
+            if splitter is None:
+                yield _sse(shape.chunk(value, None))
+            else:
+                for b in deltas(splitter.feed(value)):
+                    yield b
         elif ev == "error":
             yield _sse({"error": {"message": value, "type": "server_error", "param": None, "code": None}})
             return
         elif ev == "done":
+            if splitter is not None:
+                for b in deltas(splitter.flush()):
+                    yield b
             yield _sse(shape.final(value))
             if include_usage and shape.kind != "native":
                 yield _sse(shape.usage_chunk(value))
@@ -413,12 +469,14 @@ class _Shape:
                 "tokens_evaluated": res.stats.n_prompt + res.stats.n_reused, "tokens_cached": res.stats.n_reused,
                 "stop_type": res.stop_type, "stopping_word": res.stopping_word, "timings": _timings(res)}
 
-    def whole(self, text: str, res: Result) -> dict:
+    def whole(self, text: str, res: Result, reasoning: str | None = None) -> dict:
         if self.kind == "native":
             return {**self._native(res), "content": text}
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": res.finish_reason}
+            message = {"role": "assistant", "content": text}
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": res.finish_reason}
             return {**self._head("chat.completion"), "choices": [choice], "usage": _usage(res)}
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": res.finish_reason}
         return {**self._head("text_completion"), "choices": [choice], "usage": _usage(res)}

@@ -69,14 +69,22 @@ def _check_port_free(host: str, port: int) -> None:
               help="Require 'Authorization: Bearer KEY' (also $POWERINFER_API_KEY).")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(1, 1 << 16),
               help="Requests that may wait for the model; more get 503.")
+@click.option("--chat-template-kwargs", "template_kwargs", default=None, metavar="JSON",
+              help="Template variables for every chat, a JSON object, e.g. '{\"enable_thinking\": false}' (Qwen3); "
+                   "a request's chat_template_kwargs go over them (as llama-server).")
+@click.option("--reasoning-format", type=click.Choice(["auto", "deepseek", "none"]), default="auto", show_default=True,
+              help="A thinking model's <think>...</think> text: returned apart as reasoning_content (auto, deepseek), "
+                   "or left in content (none); a request's reasoning_format overrides it.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 @version_option("pi-server")
 @cli_errors
 def main(model_path, host, port, ctx_size, n_parallel, ubatch, ffn_batch, metrics, threads, dense, dtype,
-         kernel_backend, vram_budget, ram_budget, alias, api_key, max_queue, log_level):
-    """Serve a model: POST /v1/completions, /v1/chat/completions (stream or not), /completion; GET /v1/models,
-    /health, /slots, /metrics. -np N requests are decoded at once (continuous batching), more wait in arrival order."""
+         kernel_backend, vram_budget, ram_budget, alias, api_key, max_queue, template_kwargs, reasoning_format,
+         log_level):
+    """Serve a model: POST /v1/completions, /v1/chat/completions (stream or not), /completion, /apply-template;
+    GET /v1/models, /health, /slots, /metrics. -np N requests are decoded at once (continuous batching), more wait
+    in arrival order."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(message)s")
     if api_key is not None and not api_key.strip():
         raise PowerInferError("--api-key: empty")
@@ -85,9 +93,11 @@ def main(model_path, host, port, ctx_size, n_parallel, ubatch, ffn_batch, metric
                               "FFN rows from full matrices); serve one request at a time under a RAM budget")
     check_ctx_size(ctx_size)
     check_threads(threads)
-    from ..formats.gguf_file import check_gguf
+    from ..runtime.chat import check_file_template, check_template_kwargs
 
-    check_gguf(model_path)  # the header only (the model loads after the port check): a bad file is named first
+    template_kwargs = check_template_kwargs(template_kwargs, "--chat-template-kwargs")
+    # the header only (the model loads after the port check): a bad file or chat template is named first
+    check_file_template(model_path, template_kwargs)
     _check_port_free(host, port)
     import uvicorn
 
@@ -99,9 +109,10 @@ def main(model_path, host, port, ctx_size, n_parallel, ubatch, ffn_batch, metric
     model, tok = open_for_inference(model_path, dtype=dtype, dense=dense, ctx_size=ctx_size, threads=threads,
                                     kernel_backend=kernel_backend, vram_budget=vram_budget, ram_budget=ram_budget,
                                     note=lambda s: click.echo(s, err=True))
-    template = template_for(tok)
+    template = template_for(tok, template_kwargs)
     engine = Scheduler(model, tok, n_parallel, max_queue=max_queue, ubatch=ubatch, ffn_mode=ffn_batch)
-    state = ServerState(engine, model_path, alias, api_key, MAX_BODY_BYTES, template, metrics=metrics)
+    state = ServerState(engine, model_path, alias, api_key, MAX_BODY_BYTES, template, metrics=metrics,
+                        reasoning_format=reasoning_format)
     app = create_app(state)
     mode = "dense" if model.dense else "sparse"
     click.echo(f"pi-server: {state.model_id} ({model.args.family.name}, {mode}, n_ctx {model.n_ctx}"

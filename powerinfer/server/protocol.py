@@ -93,13 +93,27 @@ class ChatMessage(_Base):
 
 
 class ChatRequest(_Sampling):
-    """``POST /v1/chat/completions``: ``messages`` rendered with the model's chat template."""
+    """``POST /v1/chat/completions``: ``messages`` rendered with the model's chat template, with
+    llama.cpp's ``chat_template_kwargs`` (template variables over the server's
+    ``--chat-template-kwargs``, e.g. ``{"enable_thinking": false}``) and ``reasoning_format``
+    (``none``: ``<think>`` text left in ``content``; ``auto``/``deepseek``: returned as
+    ``reasoning_content``; default the server's ``--reasoning-format``)."""
 
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_format: Literal["auto", "deepseek", "none"] | None = None
     max_tokens: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=0)
     stream_options: StreamOptions | None = None
+
+
+class ApplyTemplateRequest(_Base):
+    """llama.cpp's ``POST /apply-template``: the chat prompt text, rendered and not generated from."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
 
 
 class NativeCompletionRequest(_Sampling):
