@@ -13,6 +13,11 @@ PowerInfer's C++ splits every BPE text with the GPT-2 regex; for Falcon that dif
 from the model's tokenizer on 9 of the 46 newer cases (digit runs, CJK, ``"\\n ="``) and
 1 of its own 27. Our files name the pre-tokenizer (``tokenizer.ggml.pre = falcon``) and
 pi-run follows the model's tokenizer, so every case below passes; none is xfailed.
+
+llama.cpp's own vocab GGUFs (Llama 3 ``llama-bpe``, ``qwen2``, ``qwen35``, ``deepseek-llm``,
+Phi-3 and Llama 2 SentencePiece) with their vectors, and what libllama printed for them
+(``llama_cpp_reference.json``), check encoding, decoding, parse_special and the end-of-generation
+ids against llama.cpp itself (second half of this file).
 """
 from __future__ import annotations
 
