@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 
@@ -158,11 +158,12 @@ def decode_bytes_per_token(model: Transformer, active_share: float | None = None
 
 
 def generate(model: Transformer, prompt_ids: list[int], n_predict: int, sampler: SamplerSettings,
-             eos_id: int | None = None, on_token: Callable[[int], None] | None = None,
+             eos_id: int | Collection[int] | None = None, on_token: Callable[[int], None] | None = None,
              stop_after_first: Sequence[int] = (), n_past: int = 0,
              should_stop: Callable[[], bool] | None = None) -> GenStats:
     """Generate up to ``n_predict`` tokens after ``prompt_ids`` (``n_predict < 0``: until an end
-    token or the context end). Stops at ``eos_id`` and, from the second generated token on, at any
+    token or the context end). Stops at ``eos_id`` (one id or a set, e.g. the vocabulary's
+    end-of-generation ids from :func:`~.session.end_ids`) and, from the second generated token on, at any
     id of ``stop_after_first`` (BOS for llama2.c-style models, which emit it between stories);
     the end token is neither kept nor passed to ``on_token``. ``GenStats.stop`` says why it stopped.
 
@@ -187,6 +188,7 @@ def generate(model: Transformer, prompt_ids: list[int], n_predict: int, sampler:
     last_n = model.n_ctx if last_n < 0 else last_n
     history = list(prompt_ids) if penalty != 1.0 and last_n > 0 else None
     late_stops = set(stop_after_first)
+    end = set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
     kernels.backend()  # chooses (and on first use compiles) the kernels, outside the prompt's time
     st = GenStats(n_prompt=len(prompt_ids) - n_past, n_reused=n_past)
     with torch.inference_mode():
@@ -199,7 +201,7 @@ def generate(model: Transformer, prompt_ids: list[int], n_predict: int, sampler:
         st.stop = "n_predict"
         while n_predict < 0 or len(st.token_ids) < n_predict:
             tok = sample(logits, sampler, gen, history[-last_n:] if history is not None else ())
-            if (eos_id is not None and tok == eos_id) or (st.token_ids and tok in late_stops):
+            if tok in end or (st.token_ids and tok in late_stops):
                 st.stop = "eos"
                 break
             st.token_ids.append(tok)

@@ -27,8 +27,8 @@ def load_model(path: str, dtype: str = "f32", dense: bool = False, n_ctx: int | 
     ``ram_budget`` (GiB): hot FFN neurons resident, cold ones read from the file
     (:mod:`.residency`, :mod:`.cold_rows`). ``g``: ``path`` already opened (validated once)."""
     g = g if g is not None else open_gguf(path)
-    if ram_budget is not None:
-        tok = GGUFTokenizer(g)  # before the plan measures what the process holds
+    tok = GGUFTokenizer(g)  # an unsupported vocabulary is refused before any weight is mapped
+    if ram_budget is not None:  # (and the budget's plan measures what the process holds after it)
         if dense:
             raise PowerInferError("--ram-budget and --dense: a dense FFN reads every row every token; "
                                   "the budget needs the sparse FFN")
@@ -39,7 +39,7 @@ def load_model(path: str, dtype: str = "f32", dense: bool = False, n_ctx: int | 
             note(plan.summary())
         return model, tok
     model = Transformer(g, compute_dtype(dtype), dense=dense, n_ctx=n_ctx)
-    return model, GGUFTokenizer(g)
+    return model, tok
 
 
 def default_threads(model: Transformer) -> int:

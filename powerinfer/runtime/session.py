@@ -25,12 +25,17 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def end_ids(tok: GGUFTokenizer, ignore_eos: bool = False) -> tuple[int | None, tuple[int, ...]]:
-    """``(eos_id, stop_after_first)`` for :func:`generate`: EOS, and BOS from the second token on
-    (llama2.c-style models emit BOS between stories); none with ``ignore_eos``."""
+def end_ids(tok: GGUFTokenizer, ignore_eos: bool = False) -> tuple[frozenset[int], tuple[int, ...]]:
+    """``(end_ids, stop_after_first)`` for :func:`generate`: the vocabulary's end-of-generation ids
+    (``tok.eog_ids``: EOS, EOT, EOM and the tokens llama.cpp treats as ending a turn, such as
+    ``<|eot_id|>`` or ``<|im_end|>``), and BOS from the second token on (llama2.c-style models
+    emit BOS between stories); none with ``ignore_eos``."""
     if ignore_eos:
-        return None, ()
-    return tok.eos_id, (() if tok.bos_id is None else (tok.bos_id,))
+        return frozenset(), ()
+    eog = getattr(tok, "eog_ids", None)
+    if eog is None:
+        eog = frozenset(() if tok.eos_id is None else (tok.eos_id,))
+    return frozenset(eog), (() if tok.bos_id is None else (tok.bos_id,))
 
 
 class Session:

@@ -70,7 +70,7 @@ class Slot:
     last_n: int = 0
     stream: TextStream | None = None
     matcher: StopMatcher | None = None
-    eos: int | None = None
+    eos: frozenset[int] = frozenset()
     late: tuple[int, ...] = ()
 
     def info(self) -> dict:
@@ -339,7 +339,7 @@ class Scheduler:
         if job.n_predict == 0:  # max_tokens 0: the prompt only, as generate() does
             return self._finish(s, "n_predict")
         tok = sample(logits, job.sampler, s.gen, s.history[-s.last_n:] if s.history is not None else ())
-        if (s.eos is not None and tok == s.eos) or (st.token_ids and tok in s.late):
+        if tok in s.eos or (st.token_ids and tok in s.late):
             return self._finish(s, "eos")
         st.token_ids.append(tok)
         self.n_predicted += 1
