@@ -159,9 +159,9 @@ def _lib():
         _C["tried"] = True
         cc = os.environ.get("CC", "cc")
         flags = ["-O2", "-shared", "-fPIC", "-pthread"]
-        key = hashlib.sha256(CSOURCE.read_bytes() + cc.encode() + " ".join(flags).encode()).hexdigest()[:16]
-        out = kernels._cache_dir() / f"cold_rows-{key}.so"
-        try:
+        try:  # a missing source (an install without it) falls back like a missing compiler
+            key = hashlib.sha256(CSOURCE.read_bytes() + cc.encode() + " ".join(flags).encode()).hexdigest()[:16]
+            out = kernels._cache_dir() / f"cold_rows-{key}.so"
             if not out.is_file():
                 out.parent.mkdir(parents=True, exist_ok=True)
                 fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
