@@ -63,8 +63,12 @@ def files(tmp_path_factory):
 @pytest.fixture
 def env(tmp_path, monkeypatch):
     monkeypatch.setenv(cold_rows.ROW_CACHE_ENV, str(tmp_path / "rows"))
-    monkeypatch.setenv(residency.ROW_READS_ENV, "always")  # the small model fits any budget above the minimum
+    monkeypatch.setenv("POWERINFER_ROW_READS", "always")  # residency.ROW_READS_ENV: the small model fits any budget above the minimum
     return tmp_path / "rows"
+
+
+def test_row_reads_env_is_the_one_the_planner_reads():
+    assert residency.ROW_READS_ENV == "POWERINFER_ROW_READS"
 
 
 def _budget(path) -> float:
@@ -97,11 +101,10 @@ def test_reconverted_gguf_with_the_same_header_gives_the_new_weights_logits(file
     for name in ("a", "b"):
         shutil.copy(files[name], tmp_path / "new")
         os.replace(tmp_path / "new", path)  # re-converted in place: same name, same size
-        with load_model(str(path), "f32", n_ctx=64)[0] as ref:
-            refs[name] = _logits(ref)
+        refs[name] = _logits(load_model(str(path), "f32", n_ctx=64)[0])
         model, _ = load_model(str(path), "f32", n_ctx=64, ram_budget=_budget(path), activation_dir=act)
-        with model:
-            got = _logits(model)
+        got = _logits(model)
+        model.residency[1].close()
         assert torch.allclose(got, refs[name], rtol=0, atol=1e-4), name
     assert (refs["a"] - refs["b"]).abs().max() > 0.1  # the two weights give other logits
     assert len(list(env.glob("*.pirows"))) == 1  # one file for one header and order, rebuilt in place
@@ -144,11 +147,11 @@ def test_new_activation_folder_gets_its_own_cache_and_the_open_model_keeps_runni
     ref = _logits(load_model(str(path), "f32", n_ctx=64)[0])
     assert torch.allclose(_logits(model_a), ref, rtol=0, atol=1e-4)  # still reading its own file
     assert torch.allclose(_logits(model_b), ref, rtol=0, atol=1e-4)
-    model_a.close()
-    model_b.close()
+    model_a.residency[1].close()
+    model_b.residency[1].close()
     again, _ = load_model(str(path), "f32", n_ctx=64, ram_budget=b, activation_dir=str(files["act_a"]))
     assert again.residency[1].files[0].path == cache_a and cache_a.stat().st_mtime_ns == first  # reused
-    again.close()
+    again.residency[1].close()
 
 
 # ---------------------------------------------------------------------------- writing
@@ -182,7 +185,7 @@ def test_row_cache_write_holds_one_bounded_chunk(files, tmp_path, monkeypatch):
 
 def test_row_cache_write_prints_one_line(files, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), cold_rows.ROW_CACHE_ENV: str(tmp_path / "rows"),
-           residency.ROW_READS_ENV: "always", "OMP_NUM_THREADS": "1"}
+           "POWERINFER_ROW_READS": "always", "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "powerinfer.runtime.cli", "-m", str(files["a"]), "-n", "2", "-c", "64",
                         "--temp", "0", "--ram-budget", f"{_budget(files['a']) + 0.2:.3f}",
                         "--activation", str(files["act_a"])],
