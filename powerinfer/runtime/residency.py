@@ -224,7 +224,9 @@ def plan_residency(g: GGUFFile, n_ctx: int, kv_dtype: torch.dtype, budget_gib: f
     """The plan for running PWRI file ``g`` with a context of ``n_ctx`` tokens (KV cache in
     ``kv_dtype``) within ``budget_gib`` GiB. ``counts``: per layer activation counts ``[n_ff]``
     (None: no neuron pinned); ``interpreter``: bytes already resident (default: this
-    process's resident set now). Reads the tensor table only (no weight is touched).
+    process's resident set now). Reads the tensor table only (no weight is touched). When the
+    whole model fits in the budget the plan is ``resident`` (every neuron hot, nothing to read:
+    the caller runs the ordinary model), unless ``$POWERINFER_ROW_READS=always``.
 
     Raises PowerInferError for a dense file, FFN tensors it cannot read by rows, counts of the
     wrong shape, or a budget below the minimum (the message gives the minimum).
