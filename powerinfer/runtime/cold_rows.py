@@ -8,9 +8,21 @@ read per tensor, in neuron order) or from a
 rows as one record (padded to whole pages), the layer's hot neurons first, then by
 activation count: one read per neuron, and neurons likely to be needed together lie side by
 side, so runs of them coalesce (row-column bundling, LLM in a Flash). The GGUF stays as it
-is; the row cache is written atomically on first use (a few seconds per GB) and is used
-only while it matches the GGUF (header hash and size, row types, record order), else
-rebuilt. ``$POWERINFER_ROW_CACHE=off`` reads the GGUF.
+is; the row cache is written atomically on first use (a temporary file renamed; a few seconds
+per GB) and is used only while it matches the GGUF, else rebuilt, never reused:
+
+* its file name holds a hash of what its layout follows from (the GGUF's header and size, the
+  row types, the record order, which the activation counts give), so runs with different
+  ``--activation`` folders use different files side by side;
+* its header holds the sha256 of the FFN rows it was copied from (hashed as they were read) and
+  the GGUF's stamp then (device, inode, size, modification and status-change times: the
+  kernel moves ``st_ctime`` on every write, and user space cannot set it back). While the
+  stamp is unchanged the rows are the GGUF's; when it changed (re-converted, fine-tuned,
+  copied, touched) the GGUF's FFN rows are hashed again (~1.5 GB/s: ~2 s for a 7B Q4_0
+  model's FFN) and a different hash rebuilds the cache; the same hash is noted with the new
+  stamp in a small ``.stamp`` file beside the cache, so the next open does not hash again.
+
+``$POWERINFER_ROW_CACHE=off`` reads the GGUF.
 
 **Reads.** Per layer and token, the predicted-active neurons not resident are read in one
 batch: sorted by file position, neighbours within :data:`MAX_GAP` records merged into one read
@@ -37,13 +49,16 @@ for reads); every forward pass checks first (:meth:`RowReader.check`).
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import json
 import logging
 import os
 import subprocess
 import tempfile
+import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +84,8 @@ PAGE = 4096
 ROW_CACHE_ENV = "POWERINFER_ROW_CACHE"
 MAGIC = b"PIROWS01"
 HEADER_MAX = 1 << 20
+WRITE_CHUNK = 8 << 20  # bytes of FFN rows write_row_cache and weights_digest hold at a time
+SETTLE_NS = 2_000_000_000  # a GGUF changed this recently when its rows were copied: its stamp is not trusted
 
 
 # ---------------------------------------------------------------------------- file identity
@@ -86,10 +103,14 @@ class _Stamp:
 
 class _File:
     """One file opened for reads, with its identity when opened; ``direct``: also opened with
-    ``O_DIRECT`` (``dfd``, -1 where the file system refuses it)."""
+    ``O_DIRECT`` (``dfd``, -1 where the file system refuses it, or after a read it refused:
+    buffered reads then). ``watch_name``: :meth:`check` also fails when the path names another
+    file now (the GGUF); a row cache another process replaced is harmless (the open file is
+    still read), so its name is not watched."""
 
-    def __init__(self, path: Path, direct: bool = False):
+    def __init__(self, path: Path, direct: bool = False, watch_name: bool = True):
         self.path = Path(path)
+        self.watch_name = watch_name
         self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         self.dfd = -1
         if direct and hasattr(os, "O_DIRECT") and os.environ.get(DIRECT_ENV) != "off":
@@ -104,7 +125,8 @@ class _File:
     def check(self) -> None:
         """PowerInferError when the file was truncated, rewritten or replaced since it was opened."""
         try:
-            now, named = _Stamp.of(os.fstat(self.fd)), _Stamp.of(os.stat(self.path))
+            now = _Stamp.of(os.fstat(self.fd))
+            named = _Stamp.of(os.stat(self.path)) if self.watch_name else now
         except OSError as e:
             raise PowerInferError(f"{self.path}: changed while running ({e.strerror or e})") from None
         if now != self.stamp or (named.ino, named.dev) != (self.stamp.ino, self.stamp.dev):
@@ -112,8 +134,14 @@ class _File:
                     "replaced" if (named.ino, named.dev) != (now.ino, now.dev) else "rewritten")
             raise PowerInferError(f"{self.path}: the file was {what} while running: its rows can no longer be read")
 
+    def drop_direct(self) -> None:
+        """Read buffered from now on (the file system refused an O_DIRECT read)."""
+        if self.dfd >= 0:
+            os.close(self.dfd)
+            self.dfd = -1
+
     def drop_cache(self, off: int, n: int) -> None:
-        if n > 0 and hasattr(os, "posix_fadvise"):
+        if n > 0 and self.fd >= 0 and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
@@ -159,9 +187,9 @@ def _lib():
         _C["tried"] = True
         cc = os.environ.get("CC", "cc")
         flags = ["-O2", "-shared", "-fPIC", "-pthread"]
-        key = hashlib.sha256(CSOURCE.read_bytes() + cc.encode() + " ".join(flags).encode()).hexdigest()[:16]
-        out = kernels._cache_dir() / f"cold_rows-{key}.so"
-        try:
+        try:  # a missing source (an install without it) falls back like a missing compiler
+            key = hashlib.sha256(CSOURCE.read_bytes() + cc.encode() + " ".join(flags).encode()).hexdigest()[:16]
+            out = kernels._cache_dir() / f"cold_rows-{key}.so"
             if not out.is_file():
                 out.parent.mkdir(parents=True, exist_ok=True)
                 fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
@@ -197,14 +225,18 @@ class Stream:
     stride: int
     parts: list[tuple[int, int, int]]
     pos: np.ndarray  # int64 [n_ff]
-    direct: bool = field(init=False)  # read with O_DIRECT (page-aligned records, a file opened so)
+    aligned: bool = field(init=False)  # page-aligned records, at most MAX_JOB bytes each
     c_parts: tuple = field(init=False, repr=False)  # the parts' offsets, lengths, matrices for cold_rows.c
 
     def __post_init__(self):
-        self.direct = (self.file.dfd >= 0 and self.base % PAGE == 0 and self.stride % PAGE == 0
-                       and self.stride <= MAX_JOB)
+        self.aligned = self.base % PAGE == 0 and self.stride % PAGE == 0 and self.stride <= MAX_JOB
         P = ctypes.c_int64 * len(self.parts)
         self.c_parts = tuple(P(*[p[k] for p in self.parts]) for k in range(3))
+
+    @property
+    def direct(self) -> bool:
+        """Read with O_DIRECT: aligned records in a file opened so (and not fallen back since)."""
+        return self.aligned and self.file.dfd >= 0
 
 
 class Slabs:
@@ -235,16 +267,20 @@ def default_cache_dir() -> Path | None:
 
 
 def _cache_header(g: GGUFFile, plan: ResidencyPlan) -> dict:
+    """What a row cache's content follows from, but the weights' bytes: the GGUF's header
+    (:func:`~powerinfer.formats.gpuidx.model_identity`: shapes, types, metadata, size), the
+    record layout and the record order (from the activation counts: ``plan.order``, the same for
+    every budget). Its hash names the file, so caches of other orders live side by side."""
     from ..formats.gpuidx import model_identity
 
     order = np.stack([np.asarray(o, dtype=np.int32) for o in plan.order])
-    return {"version": 1, "model_id": model_identity(g), "n_layer": plan.n_layer, "n_ff": plan.n_ff,
+    return {"version": 2, "model_id": model_identity(g), "n_layer": plan.n_layer, "n_ff": plan.n_ff,
             "parts": [list(p) for p in plan.parts], "record": _page_round(plan.neuron_bytes),
             "order_sha": hashlib.sha256(order.tobytes()).hexdigest()[:32]}
 
 
 def _cache_path(folder: Path, g: GGUFFile, head: dict) -> Path:
-    key = hashlib.sha256(head["model_id"].encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps(head, sort_keys=True).encode()).hexdigest()[:16]
     return folder / f"{Path(g.path).name}.{key}.pirows"
 
 
@@ -259,60 +295,113 @@ def _read_cache_header(path: Path) -> tuple[dict, int] | None:
             if not 0 < n <= HEADER_MAX:
                 return None
             meta = json.loads(f.read(n).decode())
-            return meta, -(-(16 + n) // PAGE) * PAGE
+            if not isinstance(meta, dict) or not isinstance(meta.get("data_start"), int):
+                return None
+            return meta, meta["data_start"]
     except (OSError, ValueError, UnicodeDecodeError):
         return None
 
 
+def _source_stamp(st: os.stat_result) -> list[int]:
+    """What the kernel changes whenever a file's bytes change: device, inode, size, modification
+    and status-change times (``st_ctime`` cannot be set from user space: ``touch -d`` or a copy
+    that keeps times still moves it)."""
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _ffn_spans(g: GGUFFile, plan: ResidencyPlan):
+    """``(layer, part, tensor name, GGML type, offset, row bytes)`` of every FFN matrix, in the
+    order :func:`weights_digest` and :func:`write_row_cache` hash them."""
+    for i in range(plan.n_layer):
+        for m, (suffix, kind, rb) in enumerate(plan.parts):
+            name = f"blk.{i}.{suffix}"
+            yield i, m, name, kind, int(g.tensors[name].data_offset), rb
+
+
+def weights_digest(g: GGUFFile, plan: ResidencyPlan, src: "_File | None" = None) -> str:
+    """sha256 (hex) of every FFN row's bytes in ``g`` (layer by layer, gate, up, down_t, each
+    matrix in file order), read :data:`WRITE_CHUNK` bytes at a time with ``pread`` (pages dropped
+    after). What a row cache's rows were copied from; ~1.5 GB/s on one core here (sha256 with
+    SHA-NI), so a 7B Q4_0 model's 2.4 GB of FFN rows take ~2 s from the page cache."""
+    own = src is None
+    f = _File(Path(g.path)) if own else src
+    h = hashlib.sha256()
+    try:
+        buf = np.empty(WRITE_CHUNK, dtype=np.uint8)
+        for _, _, _, _, off, rb in _ffn_spans(g, plan):
+            total = plan.n_ff * rb
+            for o in range(0, total, WRITE_CHUNK):
+                n = min(WRITE_CHUNK, total - o)
+                _preadv(f, [buf[:n]], off + o, n)
+                h.update(buf[:n])
+            f.drop_cache(off, total)
+    finally:
+        if own:
+            f.close()
+    return h.hexdigest()
+
+
 def write_row_cache(g: GGUFFile, plan: ResidencyPlan, path: Path) -> None:
-    """Write the row cache of ``g`` in ``plan.order`` to ``path`` (atomically): header, then per
-    layer ``n_ff`` records of :func:`_page_round` (neuron bytes) bytes. Reads one FFN matrix at a
-    time with ``pread`` (its pages dropped after), so it stays within the plan's budget."""
+    """Write the row cache of ``g`` in ``plan.order`` to ``path`` (atomically: a temporary file
+    renamed): header, then per layer ``n_ff`` records of :func:`_page_round` (neuron bytes)
+    bytes. Holds at most :data:`WRITE_CHUNK` bytes of rows at a time (one matrix's rows read in
+    file order with ``pread``, their pages dropped after, each row written into its record), so
+    it stays within the plan's scratch. The header records the sha256 of the FFN rows as read
+    (:func:`weights_digest`'s) and the GGUF's :func:`_source_stamp`, left out when the GGUF
+    changed less than :data:`SETTLE_NS` before the copy began (a write in the same clock tick
+    would not move its times): the next open rehashes then."""
     from ..formats._atomic import atomic_path
 
     head = _cache_header(g, plan)
     rec = head["record"]
-    blob = json.dumps(head).encode()
-    start = -(-(16 + len(blob)) // PAGE) * PAGE
     src = _File(Path(g.path))
     t0 = time.perf_counter()
+    began = time.time_ns()
+    stamp = _source_stamp(os.fstat(src.fd))
+    probe = json.dumps({**head, "weights_sha": "0" * 64, "source": stamp, "data_start": 1 << 40}).encode()
+    start = -(-(16 + len(probe) + 64) // PAGE) * PAGE
+    data = plan.n_layer * plan.n_ff * rec
+    h = hashlib.sha256()
     try:
         with atomic_path(path) as tmp:
             with open(tmp, "wb") as out:
-                out.write(MAGIC + len(blob).to_bytes(8, "little") + blob)
-                out.write(b"\0" * (start - out.tell()))
-                step = max(1, (8 << 20) // rec)
-                for i in range(plan.n_layer):
-                    mats = []
-                    for suffix, kind, rb in plan.parts:
-                        t = g.tensors[f"blk.{i}.{suffix}"]
-                        m = np.empty((plan.n_ff, rb), dtype=np.uint8)
-                        _preadv(src, [m], int(t.data_offset), m.nbytes)
-                        src.drop_cache(int(t.data_offset), m.nbytes)
-                        bad = QWeight(torch.from_numpy(m), MAPPED_TYPES[kind], plan.n_ff,
-                                      m.shape[1] * MAPPED_TYPES[kind].block // MAPPED_TYPES[kind].nbytes
-                                      ).first_nonfinite_row()
+                fd = out.fileno()
+                os.ftruncate(fd, start + data)  # the pads read as zeros
+                buf = np.empty(WRITE_CHUNK, dtype=np.uint8)
+                offs = np.cumsum([0] + [rb for _, _, rb in plan.parts])
+                pos = np.empty(plan.n_ff, dtype=np.int64)
+                for i, m, name, kind, off, rb in _ffn_spans(g, plan):
+                    pos[plan.order[i]] = np.arange(plan.n_ff)  # neuron -> record
+                    base = start + i * plan.n_ff * rec + int(offs[m])
+                    step = max(1, WRITE_CHUNK // rb)
+                    bt = MAPPED_TYPES[kind]
+                    for r0 in range(0, plan.n_ff, step):
+                        n = min(step, plan.n_ff - r0)
+                        rows = buf[:n * rb].reshape(n, rb)
+                        _preadv(src, [rows], off + r0 * rb, n * rb)
+                        h.update(rows)
+                        bad = QWeight(torch.from_numpy(rows), bt, n, rb * bt.block // bt.nbytes).first_nonfinite_row()
                         if bad is not None:
-                            raise PowerInferError(f"{g.path}: tensor 'blk.{i}.{suffix}' ({kind}) has a NaN or infinite "
-                                                  f"block scale in row {bad}: the file is corrupt")
-                        mats.append(m)
-                    order = plan.order[i]
-                    for p0 in range(0, plan.n_ff, step):
-                        ids = order[p0:p0 + step]
-                        buf = np.zeros((len(ids), rec), dtype=np.uint8)
-                        o = 0
-                        for m, (_, _, rb) in zip(mats, plan.parts):
-                            buf[:, o:o + rb] = m[ids]
-                            o += rb
-                        out.write(buf.data)
-                    out.flush()
-                    os.fdatasync(out.fileno())
-                    if hasattr(os, "posix_fadvise"):
-                        os.posix_fadvise(out.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-                    del mats
+                            raise PowerInferError(f"{g.path}: tensor '{name}' ({kind}) has a NaN or infinite "
+                                                  f"block scale in row {r0 + bad}: the file is corrupt")
+                        for j, p in enumerate(pos[r0:r0 + n].tolist()):
+                            os.pwrite(fd, rows[j], base + p * rec)
+                    src.drop_cache(off, plan.n_ff * rb)
+                    if m == len(plan.parts) - 1:  # a layer done: written out, its pages dropped
+                        os.fdatasync(fd)
+                        if hasattr(os, "posix_fadvise"):
+                            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                src.check()  # rewritten while copied: the hash would not be its rows'
+                settled = stamp[4] < began - SETTLE_NS
+                blob = json.dumps({**head, "weights_sha": h.hexdigest(), "source": stamp if settled else None,
+                                   "data_start": start}).encode()
+                if 16 + len(blob) > start:
+                    raise PowerInferError(f"{path}: row cache header of {len(blob)} bytes does not fit")
+                os.pwrite(fd, MAGIC + len(blob).to_bytes(8, "little") + blob, 0)
+                os.fdatasync(fd)
     finally:
         src.close()
-    log.warning("wrote the row cache %s (%.1f GB, %.0f s)", path, path.stat().st_size / 1e9, time.perf_counter() - t0)
+    log.info("wrote the row cache %s (%.1f GB, %.0f s)", path, (start + data) / 1e9, time.perf_counter() - t0)
 
 
 def open_streams(g: GGUFFile, plan: ResidencyPlan, note=None) -> tuple[list[list[Stream]], list[_File], str]:
@@ -330,25 +419,67 @@ def open_streams(g: GGUFFile, plan: ResidencyPlan, note=None) -> tuple[list[list
                                        np.arange(plan.n_ff, dtype=np.int64))
                                 for m, (s, _, rb) in enumerate(plan.parts)])
             return streams, [gguf], f"rows read from {g.path} ({len(plan.parts)} reads per neuron)"
-        streams, f, where = _cache_streams(g, plan, folder, note)
+        streams, f, where = _cache_streams(g, plan, folder, note, gguf)
     except BaseException:
         gguf.close()
         raise
     return streams, [f, gguf], where  # the GGUF's identity is still checked (RowReader.check)
 
 
-def _cache_streams(g: GGUFFile, plan: ResidencyPlan, folder: Path, note) -> tuple[list[list[Stream]], _File, str]:
-    """:func:`open_streams` from the row cache in ``folder`` (written when missing or stale)."""
+def _cache_is_current(path: Path, meta: dict, start: int, head: dict, g: GGUFFile, plan: ResidencyPlan,
+                      gguf: _File) -> bool:
+    """The row cache at ``path`` holds ``g``'s rows in ``plan.order``: its identity matches
+    ``head`` (header, layout, order), its size is right, and its rows are the GGUF's now (the
+    GGUF's stamp unchanged since they were hashed, else the FFN rows rehashed and compared)."""
+    data = plan.n_layer * plan.n_ff * head["record"]
+    if any(meta.get(k) != v for k, v in head.items()) or path.stat().st_size != start + data:
+        log.warning("%s: does not match %s (its header, layout or activation order): rebuilding it", path, g.path)
+        return False
+    now = _source_stamp(os.fstat(gguf.fd))
+    side = _stamp_path(path)
+    if meta.get("source") == now:
+        return True
+    try:
+        vouched = json.loads(side.read_text())
+        if vouched == {"weights_sha": meta.get("weights_sha"), "source": now}:
+            return True
+    except (OSError, ValueError):
+        pass
+    t0 = time.perf_counter()
+    began = time.time_ns()
+    sha = weights_digest(g, plan, gguf)
+    if sha != meta.get("weights_sha"):
+        log.warning("%s: the FFN weights of %s are not those it was built from: rebuilding it", path, g.path)
+        return False
+    log.info("%s: %s changed on disk since the row cache was written, its FFN rows did not (%.1f GB hashed in "
+             "%.1f s)", path, g.path, plan.ffn_bytes / 1e9, time.perf_counter() - t0)
+    if now[4] < began - SETTLE_NS:  # the stamp the rows were just verified under, for the next open
+        from ..formats._atomic import write_text
+
+        try:
+            write_text(side, json.dumps({"weights_sha": sha, "source": now}))
+        except (OSError, PowerInferError):
+            pass  # a read-only cache folder: the next open hashes again
+    return True
+
+
+def _stamp_path(path: Path) -> Path:
+    """Beside a row cache: the GGUF stamp its rows were last verified under (``{"weights_sha",
+    "source"}``), for a GGUF whose stamp moved (copied, touched) while its rows did not."""
+    return path.with_name(path.name + ".stamp")
+
+
+def _cache_streams(g: GGUFFile, plan: ResidencyPlan, folder: Path, note,
+                   gguf: _File) -> tuple[list[list[Stream]], _File, str]:
+    """:func:`open_streams` from the row cache in ``folder`` (written when missing or stale).
+    Nothing it opened stays open when it raises."""
     head = _cache_header(g, plan)
     path = _cache_path(folder, g, head)
     rec = head["record"]
     data = plan.n_layer * plan.n_ff * rec  # bytes after the header
     found = _read_cache_header(path) if path.is_file() else None
-    if found is not None:
-        meta, start = found
-        if meta != head or path.stat().st_size != start + data:
-            log.warning("%s: does not match %s (or its activation order): rebuilding it", path, g.path)
-            found = None
+    if found is not None and not _cache_is_current(path, *found, head, g, plan, gguf):
+        found = None
     if found is None:
         folder.mkdir(parents=True, exist_ok=True)
         if note is not None:
@@ -358,20 +489,23 @@ def _cache_streams(g: GGUFFile, plan: ResidencyPlan, folder: Path, note) -> tupl
         if found is None:
             raise PowerInferError(f"{path}: the row cache just written does not read back")
     _, start = found
-    f = _File(path, direct=True)
-    if f.stamp.size != start + data:
+    f = _File(path, direct=True, watch_name=False)
+    try:
+        if f.stamp.size != start + data:
+            raise PowerInferError(f"{path}: {f.stamp.size} bytes, expected {start + data}: "
+                                  f"a row cache that does not match {g.path}")
+        streams = []
+        parts, o = [], 0
+        for m, (_, _, rb) in enumerate(plan.parts):
+            parts.append((o, rb, m))
+            o += rb
+        for i in range(plan.n_layer):
+            pos = np.empty(plan.n_ff, dtype=np.int64)
+            pos[plan.order[i]] = np.arange(plan.n_ff)
+            streams.append([Stream(f, start + i * plan.n_ff * rec, rec, parts, pos)])
+    except BaseException:
         f.close()
-        raise PowerInferError(f"{path}: {f.stamp.size} bytes, expected {start + data}: "
-                              f"a row cache that does not match {g.path}")
-    streams = []
-    parts, o = [], 0
-    for m, (_, _, rb) in enumerate(plan.parts):
-        parts.append((o, rb, m))
-        o += rb
-    for i in range(plan.n_layer):
-        pos = np.empty(plan.n_ff, dtype=np.int64)
-        pos[plan.order[i]] = np.arange(plan.n_ff)
-        streams.append([Stream(f, start + i * plan.n_ff * rec, rec, parts, pos)])
+        raise
     return streams, f, f"rows read from the row cache {path} (1 read per neuron)"
 
 
@@ -402,6 +536,9 @@ class RowReader:
         self.lib = _lib()  # None: os.preadv from the thread pool
         self._junk = np.empty(1 << 20, dtype=np.uint8)
         self._jv = memoryview(self._junk)
+        self._stage = None
+        self._stage_lock = threading.Lock()
+        self.closed = False
 
     def check(self) -> None:
         """PowerInferError when a file read from changed since it was opened."""
@@ -435,15 +572,34 @@ class RowReader:
         return futs
 
     def _c_read(self, lib, st: Stream, pos: np.ndarray, slots: np.ndarray, slabs: Slabs, count: bool) -> int:
-        """One stream's records read by ``cold_rows.c`` (in an executor thread: ctypes lets go of the GIL)."""
+        """One stream's records read by ``cold_rows.c`` (in an executor thread: ctypes lets go of the GIL).
+
+        O_DIRECT reads hold :attr:`_stage_lock` (one staging area, used by one call at a time; the
+        call's own threads each use their part of it). EINVAL from such a read (a file system that
+        takes the O_DIRECT open but not the read) drops O_DIRECT for that file, with one warning,
+        and the records are read again buffered."""
         offs, lens, mats = st.c_parts
         out = (ctypes.c_int64 * 5)()
-        direct = st.direct
-        n = lib.pi_read_records(st.file.dfd if direct else st.file.fd, int(direct), st.base, st.stride,
-                                len(st.parts), offs, lens, mats, slabs.c_bases, slabs.c_row_bytes, pos.ctypes.data,
-                                slots.ctypes.data, len(pos), MAX_GAP, MAX_JOB, self.threads, self._junk.ctypes.data,
-                                self._junk.nbytes,
-                                self._stage_ptr() if direct else None, out)
+
+        def call(direct: bool) -> int:
+            return lib.pi_read_records(st.file.dfd if direct else st.file.fd, int(direct), st.base, st.stride,
+                                       len(st.parts), offs, lens, mats, slabs.c_bases, slabs.c_row_bytes,
+                                       pos.ctypes.data, slots.ctypes.data, len(pos), MAX_GAP, MAX_JOB, self.threads,
+                                       self._junk.ctypes.data, self._junk.nbytes,
+                                       self._stage_ptr() if direct else None, out)
+
+        n = None
+        if st.direct:
+            with self._stage_lock:
+                if st.direct:  # another read may have dropped O_DIRECT meanwhile
+                    n = call(True)
+                    if n < 0 and out[2] == errno.EINVAL:
+                        log.warning("%s: the file system refused an O_DIRECT read (%s): reading it buffered",
+                                    st.file.path, os.strerror(errno.EINVAL))
+                        st.file.drop_direct()
+                        n = None
+        if n is None:
+            n = call(False)
         if n < 0:
             off, err, got, want = out[1], out[2], out[3], out[4]
             raise _read_failed(st.file, off, want, got, os.strerror(err) if err else None)
@@ -453,8 +609,9 @@ class RowReader:
         return out[0]
 
     def _stage_ptr(self) -> int:
-        """Page-aligned staging buffers for O_DIRECT reads: one of :data:`MAX_JOB` bytes per thread."""
-        if getattr(self, "_stage", None) is None or self._stage_n != self.threads:
+        """Page-aligned staging buffers for O_DIRECT reads: one of :data:`MAX_JOB` bytes per thread
+        (allocated at first use; the caller holds :attr:`_stage_lock`)."""
+        if self._stage is None or self._stage_n != self.threads:
             raw = np.empty(self.threads * MAX_JOB + PAGE, dtype=np.uint8)
             off = -raw.ctypes.data % PAGE
             self._stage, self._stage_n = raw[off:off + self.threads * MAX_JOB], self.threads
@@ -505,6 +662,10 @@ class RowReader:
                 st.file.drop_cache(st.base, n_ff * st.stride)
 
     def close(self) -> None:
+        """Stop the read threads and close the files (again: nothing)."""
+        if self.closed:
+            return
+        self.closed = True
         self.executor.shutdown(wait=True)
         for f in self.files:
             f.close()
@@ -796,6 +957,7 @@ def load_budgeted(g: GGUFFile, dtype: torch.dtype, n_ctx: int | None, budget_gib
     """``(model, plan, reader)``: the model of the opened PWRI file ``g`` built within
     ``budget_gib`` GiB (:func:`~.residency.plan_residency`; its minimum is checked before any
     weight is read; ``interpreter``: bytes the process holds, default its resident set now).
+    When the whole model fits (``plan.resident``) it is the ordinary model and ``reader`` None.
     Raises PowerInferError for a budget below the minimum, a dense file, FFN
     rows of a type the row kernels do not read, or an unreadable activation folder."""
     from .args import ModelArgs
@@ -809,6 +971,8 @@ def load_budgeted(g: GGUFFile, dtype: torch.dtype, n_ctx: int | None, budget_gib
     _, ctx = context_length(g, a, n_ctx)  # the Transformer's own (position_embd's cap included)
     counts, source = activation_counts(str(g.path), activation_dir, a.n_layer, a.n_ff) if a.sparse else (None, "")
     plan = plan_residency(g, ctx, dtype, budget_gib, counts, source, interpreter)
+    if plan.resident:  # the whole model fits: the ordinary run, nothing read from disk
+        return Transformer(g, dtype, n_ctx=n_ctx), plan, None
     streams, files, where = open_streams(g, plan, note)
     reader = RowReader(files)
     try:
@@ -829,6 +993,8 @@ def load_budgeted(g: GGUFFile, dtype: torch.dtype, n_ctx: int | None, budget_gib
         raise
     for f in reader.files:  # what loading read through the page cache
         f.drop_cache(0, f.stamp.size)
+    model.resources.append(reader)  # closed by model.close() (or `with model:`)
+    weakref.finalize(model, reader.close)  # and when the model is collected
     model.before_forward = before_forward
     model.residency = (plan, reader, where)
     return model, plan, reader

@@ -123,14 +123,33 @@ def _build(native: bool = True) -> ctypes.CDLL:
     lib.pi_q_axpy_rows.argtypes = [C, P, P, P, I, I, P]
     lib.pi_q_dequant_rows.argtypes = [C, P, P, I, I, P]
     lib.pi_x8_gemm.argtypes = [C, P, I, I, P, I, P]
-    for f in (lib.pi_q_gemm, lib.pi_q_dot_rows, lib.pi_q_axpy_rows, lib.pi_q_dequant_rows, lib.pi_x8_gemm):
-        f.restype = None
+    lib.pi_q_dequant_rows.restype = None
     lib.pi_q_sparse_ffn.argtypes = [C, C, P, I, C, C, P, F32, C, C, P, P, P, I, I, C, F32, F32, P, P, P, P, P, P, P]
     lib.pi_q_sparse_ffn.restype = I
     lib.pi_q_dot_rows_multi.argtypes = [C, P, P, P, I, I, P, I, P, P, P, F32]
     lib.pi_q_axpy_rows_multi.argtypes = [C, P, P, P, I, I, I, P, I]
-    lib.pi_q_dot_rows_multi.restype = lib.pi_q_axpy_rows_multi.restype = None
+    for f in (lib.pi_q_gemm, lib.pi_q_dot_rows, lib.pi_q_axpy_rows, lib.pi_x8_gemm, lib.pi_q_dot_rows_multi,
+              lib.pi_q_axpy_rows_multi):
+        f.restype = C
+    for f in (lib.pi_q_gemm, lib.pi_q_dot_rows, lib.pi_q_axpy_rows, lib.pi_x8_gemm, lib.pi_q_dot_rows_multi,
+              lib.pi_q_axpy_rows_multi, lib.pi_q_sparse_ffn):
+        f.errcheck = _check_rc
     return lib
+
+
+C_ENOMEM, C_EINVAL = -1, -2  # qkernels.c's PI_ENOMEM, PI_EINVAL
+
+
+def _check_rc(rc: int, func, args):
+    """ctypes ``errcheck`` of the kernels that allocate or bound their arguments: a negative result
+    is MemoryError (an allocation failed: nothing was computed) or PowerInferError (an argument out
+    of range, e.g. more tokens than the several-token kernels hold)."""
+    if rc == C_ENOMEM:
+        raise MemoryError(f"{func.__name__}: the C kernels could not allocate their scratch memory")
+    if rc < 0:
+        raise PowerInferError(f"{func.__name__}: an argument out of range (error {rc}; at most {QGEMM_MAX_T} "
+                              "tokens per several-token call)")
+    return rc
 
 
 def set_backend(name: str = "auto") -> str:
@@ -415,6 +434,14 @@ class SparseFFNCall:
         self.args = (ffn_kind, act, act_thr, gmin, threshold)
         self.fc1, self.fc2, self.gate, self.up, self.down_t = fc1, fc2, gate, up, down_t
         F, H = fc2.shape
+        D = up.n_cols
+        shapes = {"fc1": (tuple(fc1.shape), (H, D)), "up": (tuple(up.shape), (F, D)),
+                  "down_t": (tuple(down_t.shape), (F, D))}
+        if gate is not None:
+            shapes["gate"] = (tuple(gate.shape), (F, D))
+        bad = [f"{k} {got}, expected {want}" for k, (got, want) in shapes.items() if got != want]
+        if bad:  # the C call indexes every matrix by F, H and D
+            raise PowerInferError(f"sparse FFN call: weights of mismatched shapes: {'; '.join(bad)}")
         self.idx = torch.empty(F, dtype=torch.int64)
         self.buf = torch.empty(H + 3 * F, dtype=torch.float32)
         self._n_fired = ctypes.c_int64()
@@ -451,6 +478,9 @@ class SparseFFNCall:
         ``h`` [D] the predictor input, ``x`` [D] the normed FFN input."""
         ffn_kind, act, act_thr, gmin, threshold = self.args
         fc1, fc2, up = self.fc1, self.fc2, self.up
+        if h.numel() != fc1.n_cols or x.numel() != up.n_cols:  # the C call reads n_embd values of each
+            raise PowerInferError(f"sparse FFN call: h has {h.numel()} values, x {x.numel()}; the weights take "
+                                  f"{fc1.n_cols} and {up.n_cols} (n_embd)")
         hf, xf = h.float().contiguous(), x.float().contiguous()
         out = torch.empty(up.n_cols, dtype=torch.float32)
         k = _state["lib"].pi_q_sparse_ffn(

@@ -392,6 +392,19 @@ class Transformer:
         self.head_on_device = False  # output norm and matrix on the offload device
         self._rope_on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.before_forward: Callable[[], None] | None = None  # --ram-budget: files checked, pages dropped
+        self.resources: list = []  # what close() closes (--ram-budget: the row reader's threads and files)
+
+    def close(self) -> None:
+        """Close what the model holds open beyond its memory map (the ``--ram-budget`` row reader's
+        threads and file descriptors); a no-op for other models. ``with model:`` closes at exit."""
+        while self.resources:
+            self.resources.pop().close()
+
+    def __enter__(self) -> "Transformer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _rope(self, device: torch.device, pos: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin rows ``pos..pos+T-1`` on ``device`` (copied there once)."""

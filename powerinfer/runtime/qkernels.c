@@ -474,6 +474,10 @@ static inline void split(int64_t n, int nt, int t, int64_t *r0, int64_t *r1) {
     *r1 = *r0 + blk < n ? *r0 + blk : n;
 }
 
+/* What the public kernels that allocate return: 0, or one of these (kernels.py raises for them). */
+#define PI_ENOMEM (-1) /* an allocation failed: nothing was computed */
+#define PI_EINVAL (-2) /* an argument out of range (more tokens than MULTI_MAX_T) */
+
 /* x [T, K] -> the T activations (q8 blocks in qbuf/dbuf when the type needs them) */
 /* The T activations as the type's products read them: q8 blocks (+ their 16-value sums). */
 typedef struct {
@@ -483,22 +487,31 @@ typedef struct {
     int32_t *o; /* Q4_0: 8 x the sum of each block (the nibbles' offset 8, taken off in the x8 kernel) */
 } acts_t;
 
-static acts_t prepare(int qt, const float *x, int64_t T, int64_t K) {
+/* *ok = 0 when an allocation failed (nothing is left allocated then) */
+static void release(acts_t a);
+static acts_t prepare(int qt, const float *x, int64_t T, int64_t K, int *ok) {
     acts_t a = {NULL, NULL, NULL, NULL};
+    *ok = 1;
     if (!uses_q8(qt)) return a;
     const int64_t nb = K / QK;
-    a.q = malloc((size_t)(T * K));
-    a.d = malloc((size_t)(T * nb) * sizeof(float));
+    a.q = malloc((size_t)(T * K) + 1);
+    a.d = malloc((size_t)(T * nb) * sizeof(float) + 1);
+    if (is_k(qt)) a.s = malloc((size_t)(T * (K / 16)) * sizeof(int32_t) + 1);
+    else if (qt == QT_Q4_0) a.o = malloc((size_t)(T * nb) * sizeof(int32_t) + 1);
+    if (!a.q || !a.d || (is_k(qt) && !a.s) || (qt == QT_Q4_0 && !a.o)) {
+        release(a);
+        acts_t none = {NULL, NULL, NULL, NULL};
+        *ok = 0;
+        return none;
+    }
     for (int64_t t = 0; t < T; t++) quantize_q8(x + t * K, K, a.q + t * K, a.d + t * nb);
     if (is_k(qt)) {
-        a.s = malloc((size_t)(T * (K / 16)) * sizeof(int32_t));
         for (int64_t i = 0; i < T * (K / 16); i++) {
             int32_t v = 0;
             for (int e = 0; e < 16; e++) v += a.q[i * 16 + e];
             a.s[i] = v;
         }
     } else if (qt == QT_Q4_0) {
-        a.o = malloc((size_t)(T * nb) * sizeof(int32_t));
         for (int64_t i = 0; i < T * nb; i++) {
             int32_t v = 0;
             for (int e = 0; e < QK; e++) v += a.q[i * QK + e];
@@ -558,9 +571,11 @@ static void gemm_q8_range(int qt, const uint8_t *W, int64_t rb, int64_t N, int64
 /* y[t, r] = W[r] . x[t] for r < N, t < T: W [N, K] of type qt, x [T, K] f32, y [T, N] f32.
  * Q4_0/Q8_0 (AVX2): register tiles of 4 rows x 3 tokens; otherwise one row at a time,
  * dotted with every token while it is in cache. */
-void pi_q_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x, int64_t T, float *y) {
+int pi_q_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x, int64_t T, float *y) {
     const int64_t rb = row_bytes(qt, K);
-    const acts_t acts = prepare(qt, x, T, K);
+    int ok;
+    const acts_t acts = prepare(qt, x, T, K, &ok);
+    if (!ok) return PI_ENOMEM;
     const int par = N * rb * (T > 1 ? 4 : 1) >= PAR_MIN_BYTES && omp_get_max_threads() > 1;
     #pragma omp parallel if (par)
     {
@@ -591,6 +606,7 @@ void pi_q_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x, int6
         }
     }
     release(acts);
+    return 0;
 }
 
 /* y[r] = W[idx[r]] . a for the n rows r in sel (sel NULL: r = 0 .. n-1), in that order: a stream
@@ -622,13 +638,19 @@ static void dot_rows(int qt, const uint8_t *W, int64_t rb, const int64_t *idx, c
 
 /* For r < n: y1[r] = W1[idx[r]] . x, and if W2, y2[r] = W2[idx[r]] . x when y1[r] > gmin
  * (else y2[r] = 0 and the row is not read). W1, W2 [*, K] of type qt; x [K] f32. */
-void pi_q_dot_rows(int qt, const void *W1, const void *W2, const int64_t *idx, int64_t n, int64_t K,
-                   const float *x, float *y1, float *y2, float gmin) {
+int pi_q_dot_rows(int qt, const void *W1, const void *W2, const int64_t *idx, int64_t n, int64_t K,
+                  const float *x, float *y1, float *y2, float gmin) {
     const int64_t rb = row_bytes(qt, K);
-    const acts_t acts = prepare(qt, x, 1, K);
+    int ok;
+    const acts_t acts = prepare(qt, x, 1, K, &ok);
+    if (!ok) return PI_ENOMEM;
     const act_t a = act_of(x, acts, 0, K);
     const int par = n * rb * (W2 ? 2 : 1) >= PAR_MIN_BYTES && omp_get_max_threads() > 1;
     int64_t *pass = W2 ? malloc((size_t)(n + 1) * sizeof(int64_t)) : NULL;
+    if (W2 && !pass) {
+        release(acts);
+        return PI_ENOMEM;
+    }
     #pragma omp parallel if (par)
     {
         int64_t r0, r1;
@@ -646,6 +668,7 @@ void pi_q_dot_rows(int qt, const void *W1, const void *W2, const int64_t *idx, i
     }
     free(pass);
     release(acts);
+    return 0;
 }
 
 /* out[d0 .. d1) += c * W[row][d0 .. d1) for one row of type qt; d0, d1 multiples of the block */
@@ -810,11 +833,16 @@ static void axpy_slice(int qt, const uint8_t *const *rows, const float *cs, int6
 /* out[d] = sum_r coef[r] * W[idx[r], d] for d < D: W [*, D] of type qt, coef [n], out [D] f32.
  * Rows with coef exactly 0 are skipped. Each thread owns a slice of d (whole blocks) and
  * walks the used rows, four at a time where a kernel for that exists. */
-void pi_q_axpy_rows(int qt, const void *W, const int64_t *idx, const float *coef, int64_t n, int64_t D, float *out) {
+int pi_q_axpy_rows(int qt, const void *W, const int64_t *idx, const float *coef, int64_t n, int64_t D, float *out) {
     const int64_t rb = row_bytes(qt, D), bv = slice_values(qt);
-    memset(out, 0, (size_t)D * sizeof(float));
     const uint8_t **rows = malloc((size_t)(n + 1) * sizeof(*rows));
     float *cs = malloc((size_t)(n + 1) * sizeof(float));
+    if (!rows || !cs) {
+        free(rows);
+        free(cs);
+        return PI_ENOMEM;
+    }
+    memset(out, 0, (size_t)D * sizeof(float));
     const int64_t m = nonzero_rows((const uint8_t *)W, rb, idx, coef, n, rows, cs);
     const int par = m * rb >= PAR_MIN_BYTES && omp_get_max_threads() > 1 && D >= 2 * bv;
     #pragma omp parallel if (par)
@@ -825,6 +853,7 @@ void pi_q_axpy_rows(int qt, const void *W, const int64_t *idx, const float *coef
     }
     free(rows);
     free(cs);
+    return 0;
 }
 
 /* ------------------------------------------------------------------ 8-row groups
@@ -978,9 +1007,11 @@ static void x8_range(int qt, const uint8_t *W, int64_t nb, int64_t N, acts_t a, 
 }
 
 /* y [T, N] = x [T, K] @ W.T for an x8 Q4_0/Q8_0 matrix W (N a multiple of 8). */
-void pi_x8_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x, int64_t T, float *y) {
+int pi_x8_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x, int64_t T, float *y) {
     const int64_t nb = K / QK, G = N / 8;
-    const acts_t acts = prepare(qt, x, T, K);
+    int ok;
+    const acts_t acts = prepare(qt, x, T, K, &ok);
+    if (!ok) return PI_ENOMEM;
     const int par = G * nb * 8 * block_bytes(qt) >= PAR_MIN_BYTES && omp_get_max_threads() > 1;
     #pragma omp parallel if (par)
     {
@@ -989,6 +1020,7 @@ void pi_x8_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x, int
         x8_range(qt, (const uint8_t *)W, nb, N, acts, T, y, g0, g1);
     }
     release(acts);
+    return 0;
 }
 
 /* out[r] = W[idx ? idx[r] : r] as f32 rows [n, K] (embedding lookups, tile dequantization). */
@@ -1044,10 +1076,13 @@ static inline void dot_row_tokens(int qt, const uint8_t *row, const float *x, ac
  * y2[t * n + r] = W2[idx[r]] . x[t] when y1 > gmin (else 0, as pi_q_dot_rows); entries not
  * selected are 0. W1, W2 [*, K] of type qt; x [T, K] f32 (T <= 64); idx ascending. Two passes
  * per thread as pi_q_dot_rows: every W1 row, then the W2 rows some token needs. */
-void pi_q_dot_rows_multi(int qt, const void *W1, const void *W2, const int64_t *idx, int64_t n, int64_t K,
-                         const float *x, int64_t T, const uint8_t *sel, float *y1, float *y2, float gmin) {
+int pi_q_dot_rows_multi(int qt, const void *W1, const void *W2, const int64_t *idx, int64_t n, int64_t K,
+                        const float *x, int64_t T, const uint8_t *sel, float *y1, float *y2, float gmin) {
+    if (T < 0 || T > MULTI_MAX_T) return PI_EINVAL; /* ts[] below holds MULTI_MAX_T tokens */
     const int64_t rb = row_bytes(qt, K);
-    const acts_t acts = prepare(qt, x, T, K);
+    int ok, failed = 0;
+    const acts_t acts = prepare(qt, x, T, K, &ok);
+    if (!ok) return PI_ENOMEM;
     memset(y1, 0, (size_t)(T * n) * sizeof(float));
     if (W2) memset(y2, 0, (size_t)(T * n) * sizeof(float));
     const int par = n * rb * (W2 ? 2 : 1) >= PAR_MIN_BYTES && omp_get_max_threads() > 1;
@@ -1066,6 +1101,11 @@ void pi_q_dot_rows_multi(int qt, const void *W1, const void *W2, const int64_t *
         }
         if (W2) {
             int64_t *need = malloc((size_t)(r1 - r0 + 1) * sizeof(int64_t)), m = 0;
+            if (!need) {
+                #pragma omp atomic write
+                failed = 1;
+                r1 = r0; /* nothing to do: the call fails */
+            }
             for (int64_t r = r0; r < r1; r++)
                 for (int64_t t = 0; t < T; t++)
                     if (sel[t * n + r] && (gmin == -INFINITY || y1[t * n + r] > gmin)) {
@@ -1085,6 +1125,7 @@ void pi_q_dot_rows_multi(int qt, const void *W1, const void *W2, const int64_t *
         }
     }
     release(acts);
+    return failed ? PI_ENOMEM : 0;
 }
 
 /* out[t, d] = sum_r coef[t * n + r] * W[idx[r], d] for t < T, d < D, rows with a zero
@@ -1092,13 +1133,19 @@ void pi_q_dot_rows_multi(int qt, const void *W1, const void *W2, const int64_t *
  * same groups of four, same order, so the same bits). Each thread owns a slice of d as there;
  * the slice is walked in chunks of `chunk` values (0: the whole slice), every token's rows for
  * one chunk before the next, so a row that several tokens use is read from memory once. */
-void pi_q_axpy_rows_multi(int qt, const void *W, const int64_t *idx, const float *coef, int64_t n, int64_t D,
-                          int64_t T, float *out, int64_t chunk) {
+int pi_q_axpy_rows_multi(int qt, const void *W, const int64_t *idx, const float *coef, int64_t n, int64_t D,
+                         int64_t T, float *out, int64_t chunk) {
     const int64_t rb = row_bytes(qt, D), bv = slice_values(qt);
-    memset(out, 0, (size_t)(T * D) * sizeof(float));
     const uint8_t **rows = malloc((size_t)(T * n + 1) * sizeof(*rows));
     float *cs = malloc((size_t)(T * n + 1) * sizeof(float));
     int64_t *m = malloc((size_t)(T + 1) * sizeof(int64_t)), used = 0;
+    if (!rows || !cs || !m) {
+        free(rows);
+        free(cs);
+        free(m);
+        return PI_ENOMEM;
+    }
+    memset(out, 0, (size_t)(T * D) * sizeof(float));
     for (int64_t t = 0; t < T; t++) {
         m[t] = nonzero_rows((const uint8_t *)W, rb, idx, coef + t * n, n, rows + t * n, cs + t * n);
         used = m[t] > used ? m[t] : used;
@@ -1117,4 +1164,5 @@ void pi_q_axpy_rows_multi(int qt, const void *W, const int64_t *idx, const float
     free(rows);
     free(cs);
     free(m);
+    return 0;
 }

@@ -24,6 +24,12 @@ this order:
    its hottest chunks). Without activation counts no neuron is pinned and the reuse window
    takes everything (it then keeps the neurons recent tokens used).
 
+**A model that fits.** When the budget holds the whole model (every weight, the KV cache, the
+interpreter and the scratch margin: :attr:`ResidencyPlan.whole_model`), nothing is read from
+disk: the plan says so (:attr:`ResidencyPlan.resident`) and the model runs the ordinary, fully
+resident way, at its ordinary speed (``$POWERINFER_ROW_READS=always`` plans the disk reads
+anyway: tests of the reader on small models).
+
 Sizes are bytes as the runtime holds them (the file's bytes for quantized weights with the
 C kernels). A budget below the minimum is refused before any weight is loaded, with the
 minimum in the message.
@@ -54,6 +60,7 @@ MIN_WINDOW_SLOTS = 64  # neurons per layer the reuse window holds at least (read
 WINDOW_SHARE = 0.25  # of the FFN room above the minimum, this much is reuse window, the rest hot neurons
 CHUNK = 64  # placement chunk (neurons), as --vram-budget's GPU index
 FFN_ROWS = ("ffn_gate.weight", "ffn_up.weight", "ffn_down_t.weight")
+ROW_READS_ENV = "POWERINFER_ROW_READS"  # always: plan and read cold rows even when the whole model fits (tests)
 
 
 def rss_bytes() -> int:
@@ -102,6 +109,7 @@ class ResidencyPlan:
     order: list[np.ndarray] = field(default_factory=list)
     window_slots: int = 0
     counts_source: str = "none"
+    resident: bool = False  # the whole model fits: it runs the ordinary way, every weight resident
 
     @property
     def minimum(self) -> int:
@@ -134,18 +142,38 @@ class ResidencyPlan:
         return self.window_total * self.neuron_bytes
 
     @property
+    def whole_model(self) -> int:
+        """Bytes the ordinary (unbudgeted) run keeps resident: every weight, the KV cache, the
+        interpreter and the scratch margin."""
+        return (self.interpreter + sum(self.fixed.values()) + self.embedding + self.ffn_bytes + self.kv_cache
+                + self.scratch)
+
+    @property
+    def fits(self) -> bool:
+        """The whole model fits in the budget: the ordinary fully resident run stays within it."""
+        return self.budget >= self.whole_model
+
+    @property
     def ffn_bytes(self) -> int:
         """Bytes of every FFN neuron's rows (what the file holds)."""
         return self.n_layer * self.n_ff * self.neuron_bytes
 
     def summary(self) -> str:
         mb = 1e6
+        if self.resident:
+            return (f"RAM budget {self.budget / GIB:.2f} GiB: the whole model fits ({self.whole_model / mb:.0f} MB "
+                    f"resident: interpreter {self.interpreter / mb:.0f}, weights "
+                    f"{(sum(self.fixed.values()) + self.embedding + self.ffn_bytes) / mb:.0f}, KV cache "
+                    f"{self.kv_cache / mb:.0f}, scratch {self.scratch / mb:.0f}): every weight stays resident, "
+                    "no FFN row is read from disk")
         fixed = ", ".join(f"{k} {v / mb:.0f}" for k, v in self.fixed.items())
         return (f"RAM budget {self.budget / GIB:.2f} GiB: interpreter {self.interpreter / mb:.0f} MB, {fixed}, "
                 f"KV cache {self.kv_cache / mb:.0f}, scratch {self.scratch / mb:.0f}; hot FFN neurons "
                 f"{self.n_hot / max(1, self.n_layer * self.n_ff):.1%} ({self.hot_bytes / mb:.0f} MB, counts: "
                 f"{self.counts_source}), reuse window {self.window_total} neurons "
-                f"({self.window_bytes / mb:.0f} MB); the other FFN rows are read from disk")
+                f"({self.window_bytes / mb:.0f} MB); "
+                + ("the other FFN rows are read from disk" if self.n_hot < self.n_layer * self.n_ff else
+                   "every FFN row pinned (read from disk once, at load)"))
 
 
 def ffn_parts(g: GGUFFile, a: ModelArgs) -> list[tuple[str, str, int]]:
@@ -196,7 +224,9 @@ def plan_residency(g: GGUFFile, n_ctx: int, kv_dtype: torch.dtype, budget_gib: f
     """The plan for running PWRI file ``g`` with a context of ``n_ctx`` tokens (KV cache in
     ``kv_dtype``) within ``budget_gib`` GiB. ``counts``: per layer activation counts ``[n_ff]``
     (None: no neuron pinned); ``interpreter``: bytes already resident (default: this
-    process's resident set now). Reads the tensor table only (no weight is touched).
+    process's resident set now). Reads the tensor table only (no weight is touched). When the
+    whole model fits in the budget the plan is ``resident`` (every neuron hot, nothing to read:
+    the caller runs the ordinary model), unless ``$POWERINFER_ROW_READS=always``.
 
     Raises PowerInferError for a dense file, FFN tensors it cannot read by rows, counts of the
     wrong shape, or a budget below the minimum (the message gives the minimum).
@@ -229,6 +259,11 @@ def plan_residency(g: GGUFFile, n_ctx: int, kv_dtype: torch.dtype, budget_gib: f
     plan = ResidencyPlan(budget=int(budget_gib * GIB), interpreter=rss_bytes() if interpreter is None else interpreter,
                          fixed=fixed, kv_cache=kv, scratch=SCRATCH_BYTES, embedding=embd, neuron_bytes=nb,
                          parts=parts, n_layer=a.n_layer, n_ff=a.n_ff, counts_source=counts_source)
+    if plan.fits and os.environ.get(ROW_READS_ENV) != "always":
+        plan.resident = True
+        plan.hot = [np.ones(a.n_ff, dtype=bool) for _ in range(a.n_layer)]
+        plan.order = [np.arange(a.n_ff) for _ in range(a.n_layer)]
+        return plan
     if plan.budget < plan.minimum:
         mb = 1e6
         raise PowerInferError(
