@@ -69,12 +69,15 @@ def _check_port_free(host: str, port: int) -> None:
               help="Require 'Authorization: Bearer KEY' (also $POWERINFER_API_KEY).")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(1, 1 << 16),
               help="Requests that may wait for the model; more get 503.")
+@click.option("-sps", "--slot-prompt-similarity", "similarity", type=FiniteFloat(0, 1), default=0.1, show_default=True,
+              help="With -np > 1: a request takes the idle slot whose cache holds more than this share of its "
+                   "prompt (as llama-server's -sps); else the least recently used slot (0: always that).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 @version_option("pi-server")
 @cli_errors
 def main(model_path, host, port, ctx_size, n_parallel, ubatch, ffn_batch, metrics, threads, dense, dtype,
-         kernel_backend, vram_budget, ram_budget, alias, api_key, max_queue, log_level):
+         kernel_backend, vram_budget, ram_budget, alias, api_key, max_queue, similarity, log_level):
     """Serve a model: POST /v1/completions, /v1/chat/completions (stream or not), /completion; GET /v1/models,
     /health, /slots, /metrics. -np N requests are decoded at once (continuous batching), more wait in arrival order."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(message)s")
@@ -100,7 +103,8 @@ def main(model_path, host, port, ctx_size, n_parallel, ubatch, ffn_batch, metric
                                     kernel_backend=kernel_backend, vram_budget=vram_budget, ram_budget=ram_budget,
                                     note=lambda s: click.echo(s, err=True))
     template = template_for(tok)
-    engine = Scheduler(model, tok, n_parallel, max_queue=max_queue, ubatch=ubatch, ffn_mode=ffn_batch)
+    engine = Scheduler(model, tok, n_parallel, max_queue=max_queue, ubatch=ubatch, ffn_mode=ffn_batch,
+                       slot_prompt_similarity=similarity)
     state = ServerState(engine, model_path, alias, api_key, MAX_BODY_BYTES, template, metrics=metrics)
     app = create_app(state)
     mode = "dense" if model.dense else "sparse"
@@ -115,7 +119,7 @@ def main(model_path, host, port, ctx_size, n_parallel, ubatch, ffn_batch, metric
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:  # Ctrl-C / SIGTERM: end running streams now
-            engine.shutdown()
+            engine.shutdown(timeout=10)  # the worker leaves its step before the process exits
             super().handle_exit(sig, frame)
 
     server = Server(config)
