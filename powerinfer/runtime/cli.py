@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ..cli_params import FiniteFloat, check_ctx_size, check_threads, plural, rate, require_file, version_option
+from ..cli_params import PiCommand, FiniteFloat, check_ctx_size, check_threads, plural, rate, require_file, require_gguf, version_option
 from ..errors import PowerInferError, cli_errors
 from ..limits import MAX_BUDGET_GIB
 
@@ -135,7 +135,7 @@ def bench_report(model: "Transformer", st: "GenStats", path: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=PiCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-m", "--model", "model_path", required=True, type=click.Path(dir_okay=False),
               help="GGUF (dense) or PowerInfer GGUF (PWRI magic, sparse) file.")
 @click.option("-p", "--prompt", default="Once upon a time", show_default=True,
@@ -199,7 +199,7 @@ def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_
     check_sampler(n_predict, temp, top_k, top_p, seed, repeat_penalty, repeat_last_n, min_p)
     check_ctx_size(ctx_size)
     check_threads(threads)
-    require_file(model_path)
+    require_gguf(model_path)
     if prompt_file is not None:
         if click.get_current_context().get_parameter_source("prompt") == click.core.ParameterSource.COMMANDLINE:
             raise PowerInferError("-p and -f: give the prompt one way, not both")

@@ -13,7 +13,7 @@ import sys
 
 import click
 
-from ..cli_params import FiniteFloat, check_ctx_size, check_threads, version_option
+from ..cli_params import PiCommand, FiniteFloat, check_ctx_size, check_threads, version_option
 from ..errors import PowerInferError, cli_errors
 from ..limits import MAX_BUDGET_GIB
 from ..runtime.cli import DTYPE_NAMES
@@ -39,7 +39,7 @@ def _check_port_free(host: str, port: int) -> None:
                                   f"choose another --port)") from None
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=PiCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-m", "--model", "model_path", required=True, type=click.Path(dir_okay=False),
               help="GGUF (dense) or PowerInfer GGUF (sparse) file.")
 @click.option("--host", default="127.0.0.1", show_default=True,
