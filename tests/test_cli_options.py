@@ -203,6 +203,35 @@ def test_a_file_given_as_model_folder_is_named(tmp_path):
                    f"{DEMO_CALIBRATION}: not a folder")
 
 
+# ------------------------------------------------------------------ Ctrl-C in pi-run
+def test_ctrl_c_in_pi_run_prints_the_timings_so_far_and_exits_130(demo_gguf):
+    """SIGINT after the first tokens (the process sends it to itself from the sampler once 5 tokens are
+    out, so the moment is exact, not raced): generation stops at the next token, the text so far and
+    the summary (prompt eval, generation with the token count) are printed, exit code 130 as
+    llama.cpp's tools; before, click printed only 'Aborted!' and exited 1."""
+    code = ("import os, signal, sys\n"
+            "import powerinfer.runtime.generate as g\n"
+            "real, n = g.sample, [0]\n"
+            "def sample(*a, **k):\n"
+            "    n[0] += 1\n"
+            "    if n[0] == 5:\n"
+            "        os.kill(os.getpid(), signal.SIGINT)\n"
+            "    return real(*a, **k)\n"
+            "g.sample = sample\n"
+            f"sys.argv = ['pi-run', '-m', {str(demo_gguf)!r}, '-p', 'Once upon a time', '-n', '400', '--ignore-eos',"
+            " '-t', '1']\n"
+            "from powerinfer.runtime.cli import main\n"
+            "main()\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 130, r.stderr
+    assert "Aborted!" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    n = int(re.search(r"interrupted \(Ctrl-C\) after (\d+) tokens", r.stderr)[1])
+    assert 5 <= n <= 6, r.stderr  # the token sampled when the signal came, perhaps the next
+    assert re.search(rf"^generation:  {n} tokens, \d+ evals in [0-9.]+ ms", r.stderr, re.M), r.stderr
+    assert re.search(r"^prompt eval: \d+ tokens in [0-9.]+ ms", r.stderr, re.M), r.stderr
+    assert r.stdout.startswith("Once upon a time") and len(r.stdout) > len("Once upon a time\n")
+
+
 # ------------------------------------------------------------------ pi-server: the model before the port
 def test_pi_server_names_a_bad_model_before_a_busy_port():
     with socket.socket() as s:

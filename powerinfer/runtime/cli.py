@@ -254,12 +254,29 @@ def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_
         out.write(piece)
         out.flush()
 
-    st, _ = Session(model, tok).generate_text(ids, n_predict, sampler, on_text, ignore_eos=ignore_eos)
+    from .interactive import _Interrupt
+
+    # Ctrl-C stops at the next token and still prints the timings so far, exit code 130 (128 + SIGINT),
+    # as llama.cpp's tools print their perf summary on SIGINT
+    with _Interrupt() as intr:
+        st, _ = Session(model, tok).generate_text(ids, n_predict, sampler, on_text, ignore_eos=ignore_eos,
+                                                  should_stop=lambda: intr.hit)
     out.write("\n")
     out.flush()
+    print_timings(model, model_path, st, n_predict, interrupted=intr.hit)
+    if intr.hit:
+        click.get_current_context().exit(130)
+
+
+def print_timings(model, model_path: str, st, n_predict: int, interrupted: bool = False) -> None:
+    """pi-run's summary on stderr: the model, prompt and generation counts and times, FFN shares."""
+    from . import kernels
+
     mode = "dense" if model.dense else "sparse"
     err = sys.stderr
-    if st.stop == "context":
+    if interrupted:
+        err.write(f"note: interrupted (Ctrl-C) after {plural(st.n_gen, 'token')}\n")
+    elif st.stop == "context":
         err.write(f"note: the context is full ({model.n_ctx} tokens): stopped after {plural(st.n_gen, 'token')}"
                   + (f" of -n {n_predict}" if n_predict >= 0 else "") + "\n")
     err.write(f"\nmodel: {model_path} ({model.args.family.name}, {mode}, {str(model.dtype).removeprefix('torch.')}, "
