@@ -297,6 +297,33 @@ def test_stale_row_cache_is_rebuilt(model_dir, cache_dir):
     assert _greedy(model, tok, 3)[0] == _greedy(ref_model, tok, 3)[0]
 
 
+@pytest.mark.parametrize("change", ["truncated", "extended"])
+def test_row_cache_of_another_size_is_rebuilt(model_dir, cache_dir, change):
+    """A row cache whose size is not its header's (cut short by a full disk or a killed copy, or with
+    bytes appended) is rebuilt, not read: the next load writes it again at the right size and
+    decodes the unlimited model's tokens (rows read from a short or shifted file would not)."""
+    budget = _minimum(model_dir) + 0.02
+    model, _ = load_model(str(model_dir), "f32", n_ctx=64, ram_budget=budget)
+    path = model.residency[1].files[0].path
+    model.residency[1].close()
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        if change == "truncated":
+            f.truncate(size - 4096)
+        else:
+            f.seek(0, 2)
+            f.write(b"\xff" * 4096)
+    assert path.stat().st_size != size
+    model, tok = load_model(str(model_dir), "f32", n_ctx=64, ram_budget=budget)
+    assert path.stat().st_size == size
+    ref_model, _ = load_model(str(model_dir), "f32", n_ctx=64)
+    for layer in ref_model.layers:
+        layer.ffn.rows_max_share = 1.0
+    got, want = _greedy(model, tok, 4), _greedy(ref_model, tok, 4)
+    assert got[0] == want[0] and torch.equal(got[1], want[1])
+    model.residency[1].close()
+
+
 def test_budget_refuses_dense_and_vram_together(model_dir, cache_dir):
     from powerinfer.runtime.loading import open_for_inference
 
