@@ -297,13 +297,22 @@ def test_stale_row_cache_is_rebuilt(model_dir, cache_dir):
     assert _greedy(model, tok, 3)[0] == _greedy(ref_model, tok, 3)[0]
 
 
+def _tight(model_dir):
+    """The model under a budget 0.2 MB over its minimum (the interpreter counted as 256 MB, so the
+    figure does not drift with this process's RSS): most cold rows are read, from the row cache."""
+    g = open_gguf(model_dir)
+    lo = plan_residency(g, 64, torch.float32, 1e6, interpreter=1 << 28).minimum
+    model, _, _ = cold_rows.load_budgeted(g, torch.float32, 64, (lo + 194_400) / GIB, interpreter=1 << 28)
+    assert "row cache" in model.residency[2]
+    return model
+
+
 @pytest.mark.parametrize("change", ["truncated", "extended"])
 def test_row_cache_of_another_size_is_rebuilt(model_dir, cache_dir, change):
     """A row cache whose size is not its header's (cut short by a full disk or a killed copy, or with
     bytes appended) is rebuilt, not read: the next load writes it again at the right size and
     decodes the unlimited model's tokens (rows read from a short or shifted file would not)."""
-    budget = _minimum(model_dir) + 0.02
-    model, _ = load_model(str(model_dir), "f32", n_ctx=64, ram_budget=budget)
+    model = _tight(model_dir)
     path = model.residency[1].files[0].path
     model.residency[1].close()
     size = path.stat().st_size
@@ -314,14 +323,47 @@ def test_row_cache_of_another_size_is_rebuilt(model_dir, cache_dir, change):
             f.seek(0, 2)
             f.write(b"\xff" * 4096)
     assert path.stat().st_size != size
-    model, tok = load_model(str(model_dir), "f32", n_ctx=64, ram_budget=budget)
+    model = _tight(model_dir)
     assert path.stat().st_size == size
-    ref_model, _ = load_model(str(model_dir), "f32", n_ctx=64)
+    ref_model, tok = load_model(str(model_dir), "f32", n_ctx=64)
     for layer in ref_model.layers:
         layer.ffn.rows_max_share = 1.0
     got, want = _greedy(model, tok, 4), _greedy(ref_model, tok, 4)
+    assert model.residency[1].stats.reads > 0  # rows came from the rebuilt file
     assert got[0] == want[0] and torch.equal(got[1], want[1])
     model.residency[1].close()
+
+
+def test_file_system_refusing_o_direct_falls_back_to_buffered_reads(model_dir, cache_dir, monkeypatch):
+    """A file system that refuses an O_DIRECT open (EINVAL, as tmpfs does): the row cache is read
+    with buffered reads instead, and the budget run decodes the unlimited run's tokens and logits."""
+    import errno
+
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this system")
+    real, refused = os.open, []
+
+    def open_(path, flags, *a, **k):
+        if flags & os.O_DIRECT:
+            refused.append(str(path))
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real(path, flags, *a, **k)
+
+    monkeypatch.setattr(os, "open", open_)
+    model = _tight(model_dir)
+    reader = model.residency[1]
+    assert any(r.endswith(".pirows") for r in refused)  # the cache was opened for O_DIRECT, and refused
+    assert all(f.dfd == -1 for f in reader.files)
+    monkeypatch.setattr(os, "open", real)
+    _, tok = load_model(str(model_dir), "f32", n_ctx=64)
+    got = _greedy(model, tok, 4)
+    assert reader.stats.reads > 0
+    ref_model, tok = load_model(str(model_dir), "f32", n_ctx=64)
+    for layer in ref_model.layers:
+        layer.ffn.rows_max_share = 1.0
+    want = _greedy(ref_model, tok, 4)
+    assert got[0] == want[0] and torch.equal(got[1], want[1])
+    reader.close()
 
 
 def test_budget_refuses_dense_and_vram_together(model_dir, cache_dir):
