@@ -17,14 +17,14 @@ import time
 import httpx
 import pytest
 
-schemathesis = pytest.importorskip("schemathesis")  # the test extra (pyproject.toml); missing: say so
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from schemathesis import GenerationMode  # noqa: E402
+import schemathesis  # a test dependency (pyproject's test extra): missing, the test fails rather than skips
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
 
-from helpers import random_predictors  # noqa: E402
-from powerinfer.convert.writer import convert  # noqa: E402
-from test_server import Server  # noqa: E402
+from helpers import random_predictors
+from powerinfer.convert.writer import convert
+from test_server import Server
 
 FUZZ_CASES = 300  # about 25 s on one core of the CI machine
 POSTS = {"/v1/completions", "/completions", "/v1/chat/completions", "/chat/completions", "/completion",
