@@ -474,12 +474,28 @@ def test_shutdown_waits_for_the_worker_to_leave_its_step(q4_gguf, monkeypatch):
 
 
 def test_prompt_sharing_only_bos_takes_an_empty_slot(q4_gguf):
-    """-np 2 (--slot-prompt-similarity 0.1, llama.cpp's default): after prompt P ran in a slot, a prompt
-    sharing only BOS with it takes the empty slot (the old code evicted P's cache: the longest prefix
-    won, 1 token against 0); a prompt extending P goes back to P's slot and reuses its cache. With
-    similarity 0 (llama.cpp's 'disabled') the least recently used slot is taken whatever it holds."""
+    """-np 2 (--slot-prompt-similarity 0.5, the default): after prompt P ran in a slot, a prompt sharing
+    only BOS with it takes the empty slot (the old code evicted P's cache: the longest prefix won, 1
+    token against 0), a short one too (4 tokens: BOS is 1/4, below 0.5; llama.cpp's default 0.1 would
+    take P's slot); a prompt extending P goes back to P's slot and reuses its cache. With similarity 0
+    (llama.cpp's 'disabled') the least recently used slot is taken whatever it holds."""
+    from powerinfer.server import cli, scheduler
+
+    assert cli.DEFAULT_SLOT_PROMPT_SIMILARITY == scheduler.DEFAULT_SLOT_PROMPT_SIMILARITY == 0.5
     p = [1, 300, 301, 302, 303, 304]
-    q = [1] + list(range(450, 461))  # 12 tokens: BOS is 1/12 of it, not more than 0.1
+    q = [1] + list(range(450, 461))  # 12 tokens sharing BOS with P
+    sch = _scheduler(q4_gguf, 3)
+    try:
+        first = _job(p, 2)
+        sch.submit(first)
+        _ended(first)
+        short = _job([1, 470, 471, 472], 2)
+        sch.submit(short)
+        _ended(short)
+        assert [s.cached[:len(p)] == p for s in sch.slots].count(True) == 1  # P's cache kept
+        assert [s.cached[:4] == [1, 470, 471, 472] for s in sch.slots].count(True) == 1
+    finally:
+        sch.close()
     sch = _scheduler(q4_gguf, 2)
     try:
         first = _job(p, 2)

@@ -19,6 +19,7 @@ from ..limits import MAX_BUDGET_GIB
 from ..runtime.cli import DTYPE_NAMES
 
 MAX_BODY_BYTES = 4 << 20
+DEFAULT_SLOT_PROMPT_SIMILARITY = 0.5  # scheduler.DEFAULT_SLOT_PROMPT_SIMILARITY (not imported here: torch)
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -69,9 +70,11 @@ def _check_port_free(host: str, port: int) -> None:
               help="Require 'Authorization: Bearer KEY' (also $POWERINFER_API_KEY).")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(1, 1 << 16),
               help="Requests that may wait for the model; more get 503.")
-@click.option("-sps", "--slot-prompt-similarity", "similarity", type=FiniteFloat(0, 1), default=0.1, show_default=True,
+@click.option("-sps", "--slot-prompt-similarity", "similarity", type=FiniteFloat(0, 1),
+              default=DEFAULT_SLOT_PROMPT_SIMILARITY, show_default=True,
               help="With -np > 1: a request takes the idle slot whose cache holds more than this share of its "
-                   "prompt (as llama-server's -sps); else the least recently used slot (0: always that).")
+                   "prompt (llama-server's -sps, whose default is 0.1); else the least recently used slot "
+                   "(0: always that).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 @version_option("pi-server")

@@ -51,7 +51,11 @@ from .engine import Job, QueueFull, Result
 
 log = logging.getLogger("powerinfer.server")
 DEFAULT_UBATCH = 32  # prompt tokens per batched step (-np > 1)
-DEFAULT_SLOT_PROMPT_SIMILARITY = 0.1  # llama.cpp's --slot-prompt-similarity default (common/common.h)
+# --slot-prompt-similarity's default: 0.5, so that a prompt sharing only BOS with a slot's cache (a share
+# of 1/n <= 0.5) never evicts it while another slot is free. llama.cpp's option has the same meaning; its
+# default in the October 2026 source (common/common.h) is 0.1, under which a prompt of fewer than 10
+# tokens sharing only BOS still takes the cached slot.
+DEFAULT_SLOT_PROMPT_SIMILARITY = 0.5
 MIN_USEFUL_SLOT_CTX = 64  # fewer tokens per slot: a warning (a prompt and a reply hardly fit)
 JOIN_TIMEOUT_S = 30.0  # how long shutdown()/close() wait for the worker to leave the step it is in
 
