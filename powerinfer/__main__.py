@@ -31,13 +31,13 @@ from pathlib import Path
 
 import click
 
-from .cli_params import FiniteFloat, require_folder, version_option
+from .cli_params import PiCommand, FiniteFloat, require_folder, version_option
 from .errors import PowerInferError, cli_errors
 
 DEFAULT_CHUNK = 64  # = convert.gpu_index.ensure_gpu_index's chunk (checked by a test), the paper's
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=PiCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--activation", required=True, type=str, help="Folder holding activation_{i}.pt (one per layer).")
 @click.option("--neuron", type=int, default=None, help="FFN neurons per layer (n_ff); default: from the files.")
 @click.option("--capacity", type=int, required=True, help="Neurons the GPU may hold, all layers together.")

@@ -2,8 +2,13 @@
 
 ``float`` and ``click.FloatRange`` accept ``nan``, ``inf`` and ``1e300``: NaN passes every
 range comparison and an infinite or huge value overflows later (``int(inf)``, ``struct.pack``).
-:class:`FiniteFloat` refuses them when the command line is parsed, with click's usual
-"Invalid value for '--opt'" message and exit code 2, before any file is read or written.
+:class:`FiniteFloat` refuses them when the command line is parsed, before any file is read or
+written.
+
+Every ``pi-*`` command is a :class:`PiCommand`: a wrong command line (a value click's types
+refuse, an unknown or missing option) gets the one-line form that the checks below and
+:class:`~powerinfer.errors.PowerInferError` give, ``Error: OPTION VALUE: what is wrong``, and exit
+code 1 (as llama.cpp's tools print one line and exit 1), instead of click's usage block and exit 2.
 
 The checks here import nothing heavy (no torch, transformers or numpy), so a command refuses a
 wrong value or a missing input in a fraction of a second, before it imports what it runs on:
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,7 +28,7 @@ import click
 
 from .errors import PowerInferError
 
-__all__ = ["FiniteFloat", "check_threads", "check_ctx_size", "require_file", "require_folder", "require_model_folder",
+__all__ = ["PiCommand", "FiniteFloat", "check_threads", "check_ctx_size", "require_file", "require_folder", "require_model_folder", "require_gguf",
            "require_data", "version_option", "plural", "rate"]
 
 
@@ -35,6 +41,63 @@ def rate(n: int, seconds: float, unit: str = "tokens/s") -> str:
     """`` (12.3 tokens/s)``, or nothing when there is no rate to give (no tokens or no time):
     never a NaN or an infinity in a report."""
     return f" ({n / seconds:.1f} {unit})" if n > 0 and seconds > 0 else ""
+
+
+class PiCommand(click.Command):
+    """A click command whose usage errors are one line and exit code 1 (see the module docstring):
+    ``Error: --port 70000: not in the range 0<=x<=65535``; ``-h`` tells the options."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        raw = list(args)  # click's parser consumes the list it is given
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as e:
+            raise click.ClickException(usage_line(e, raw)) from None
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as e:  # raised by a command's own checks (two options that exclude each other)
+            raise click.ClickException(usage_line(e, [])) from None
+
+
+def usage_line(e: click.UsageError, args: list[str]) -> str:
+    """One line for a click usage error: ``OPTION VALUE: reason`` for a refused value (the value as
+    typed, found in ``args``), click's own sentence otherwise."""
+    if not isinstance(e, click.BadParameter) or isinstance(e, click.MissingParameter) or e.param is None:
+        return e.format_message()
+    param = e.param
+    if not isinstance(param, click.Option):
+        return f"{(param.human_readable_name or '').upper()}: {e.message}"
+    flag, value = param.opts[0], None
+    opts = [*param.opts, *param.secondary_opts]
+    for i, a in enumerate(args):
+        if a in opts and i + 1 < len(args):
+            flag, value = a, args[i + 1]
+        elif a.startswith("--") and "=" in a and a.split("=", 1)[0] in opts:
+            flag, value = a.split("=", 1)
+    reason = e.message.rstrip(".")
+    if value is not None:
+        for lead in (f"{value!r} is ", f"{value} is "):
+            if reason.startswith(lead):
+                reason = _range_words(reason[len(lead):])
+                break
+        return f"{flag} {value}: {reason}"
+    return f"{flag}: {reason}"
+
+
+def _range_words(reason: str) -> str:
+    """click's ``not in the range 1<=x<=256`` (or ``x>=1``) and FiniteFloat's ``not in the range
+    [0, 8]`` as the checks here word it: ``must be in [1, 256]``, ``must be >= 1``."""
+    m = re.fullmatch(r"not in the range (\S+?)(<=|<)x(<=|<)(\S+)", reason)
+    if m:
+        return f"must be in {'[' if m[2] == '<=' else '('}{m[1]}, {m[4]}{']' if m[3] == '<=' else ')'}"
+    m = re.fullmatch(r"not in the range x(>=|>|<=|<)(\S+)", reason)
+    if m:
+        return f"must be {m[1]} {m[2]}"
+    if reason.startswith("not in the range "):
+        return "must be in " + reason[len("not in the range "):]
+    return reason
 
 
 def version_option(prog: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -84,12 +147,28 @@ def require_folder(path: str | Path, what: str, recover: bool = True) -> Path:
 
 
 def require_model_folder(path: str | Path) -> Path:
-    """A Hugging Face model folder argument: PowerInferError ``PATH: model folder not found`` or
-    ``PATH: not a folder (expected a Hugging Face model folder)``."""
+    """A Hugging Face model folder argument: PowerInferError ``PATH: model folder not found``,
+    ``PATH: not a folder (expected a Hugging Face model folder)`` or ``PATH: no config.json, so
+    this is not a Hugging Face model folder`` (the loader's wording), before anything heavy is
+    imported."""
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise PowerInferError(f"{path}: not a folder (expected a Hugging Face model folder)")
-    return require_folder(p, "model", recover=False)
+    require_folder(p, "model", recover=False)
+    if not (p / "config.json").is_file():
+        raise PowerInferError(f"{path}: no config.json, so this is not a Hugging Face model folder")
+    return p
+
+
+def require_gguf(path: str | Path) -> Path:
+    """A GGUF model argument: :func:`require_file`, then its header checked
+    (:func:`powerinfer.formats.gguf_file.check_gguf`: magic, bounds, metadata; numpy and gguf, no
+    torch), so a text file named ``.gguf`` is refused in a fraction of a second."""
+    p = require_file(path)
+    from .formats.gguf_file import check_gguf
+
+    check_gguf(p)
+    return p
 
 
 def require_data(data: str) -> None:

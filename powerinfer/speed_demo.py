@@ -31,7 +31,7 @@ from pathlib import Path
 
 import click
 
-from .cli_params import check_threads, version_option
+from .cli_params import PiCommand, check_threads, version_option
 from .errors import cli_errors
 
 SPARSE_NAME, DENSE_NAME, STAMP = "speed.powerinfer.gguf", "speed.gguf", "speed.json"
@@ -107,7 +107,7 @@ def measure(out: Path, n_predict: int, rounds: int, threads: int, log) -> dict:
             "n_predict": n_predict, "threads": threads}
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=PiCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("out", default="out/demo/speed", type=click.Path(file_okay=False, path_type=Path))
 @click.option("-n", "--n-predict", default=64, show_default=True, type=click.IntRange(8, 400),
               help="Greedy tokens decoded per run.")

@@ -14,7 +14,7 @@ from helpers import STORIES, need
 # The longest files first. Under the README's `pytest -n auto` (pyproject: --dist loadfile
 # --no-loadscope-reorder) each file is one unit of work and the units go to the workers in
 # collection order: a long file collected last would finish alone after everything else.
-SLOW_FIRST = ("test_demo_model.py", "test_kill9.py", "test_calibrate.py", "test_server.py", "test_batch_server.py", "test_chat.py",
+SLOW_FIRST = ("test_demo_model.py", "test_kill9.py", "test_calibrate.py", "test_server.py", "test_batch_server.py", "test_server_fuzz.py", "test_chat.py",
               "test_gguf_validate.py", "test_profile.py", "test_train_predictor.py", "test_gpuidx.py")
 
 

@@ -56,11 +56,24 @@ def _model(fam) -> Transformer:
     return Transformer(open_gguf(fam.path))
 
 
-def _sizes(start, n):
-    """Batch size of each decode step of :func:`helpers.batched`: sequence ``b`` decodes at steps
-    ``start[b] + 1 .. start[b] + n - 1`` (its first token comes from its prefill)."""
-    last = max(start) + n - 1
-    return [sum(s + 1 <= t <= s + n - 1 for s in start) for t in range(1, last + 1)]
+# Batch size of each decode step of :func:`helpers.batched` for START and N, by hand: sequence b
+# decodes at steps START[b] + 1 .. START[b] + N - 1 (its first token comes from its prefill), so
+# steps 1..10 hold {0,1}, {0,1,2} x2, {0,1,2,3} x4, {2,3}, {3} x2
+SIZES = [2, 3, 3, 4, 4, 4, 4, 2, 1, 1]
+
+
+def _recording_steps(monkeypatch) -> list[int]:
+    """The batch size of every BatchDecoder.step call from now on (what ran, not what was planned)."""
+    from powerinfer.runtime.batch import BatchDecoder
+
+    seen, real = [], BatchDecoder.step
+
+    def step(self, tokens, *a, **k):
+        seen.append(len(tokens))
+        return real(self, tokens, *a, **k)
+
+    monkeypatch.setattr(BatchDecoder, "step", step)
+    return seen
 
 
 def test_family_models_have_the_structure_the_batch_tests_claim(fam):
@@ -86,20 +99,21 @@ def test_family_models_have_the_structure_the_batch_tests_claim(fam):
 
 
 @pytest.mark.parametrize("mode", ["union", "per-seq"])
-def test_family_batch_logits_equal_each_sequence_alone(fam, mode):
+def test_family_batch_logits_equal_each_sequence_alone(fam, mode, monkeypatch):
     """Four sequences of 12, 3, 6 and 2 prompt tokens joining at steps 0, 0, 1, 3 (the batch grows
     to 4 and shrinks to 1): every step's logits equal the ones each sequence gets alone, bit for
-    bit, and the FFN took the mode asked for (union wherever the union applies: B >= 2)."""
+    bit, the decoder ran the batch sizes counted by hand (SIZES), and the FFN took the mode asked
+    for (union wherever the union applies: B >= 2)."""
     model = _model(fam)
     want = [alone(model, p, N) for p in PROMPTS]
     assert len({tuple(t) for t, _ in want}) >= 3  # the sequences go different ways
     assert 0.2 < model.active_share() < 0.8  # a real sparse mix of rows per token
+    sizes = _recording_steps(monkeypatch)
     toks, logits, dec = batched(model, PROMPTS, N, mode, start=START)
     for b in range(len(PROMPTS)):
         assert toks[b] == want[b][0], f"sequence {b}"
         assert torch.equal(logits[b], want[b][1]), f"sequence {b}: max diff {(logits[b] - want[b][1]).abs().max()}"
-    sizes = _sizes(START, N)
-    assert max(sizes) == len(PROMPTS) and sizes[-1] == 1
+    assert sizes == SIZES
     if mode == "union":
         if kernels.backend() != "c":
             pytest.skip("union rows need the C kernels")

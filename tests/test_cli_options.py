@@ -123,9 +123,113 @@ def test_offline_stages_refuse_missing_inputs_before_importing_torch(tmp_path):
     assert not out.exists()
 
 
+# ------------------------------------------------------------------ one style for every bad value (issue 29)
+def _one_line(r: subprocess.CompletedProcess, *needles: str) -> None:
+    """Refused before torch/transformers: exit 1, and stderr is exactly one ``Error: ...`` line (no
+    click usage block, no 'Try ... for help')."""
+    _refused_early(r, *needles)
+    lines = [line for line in r.stderr.rsplit("HEAVY:", 1)[0].splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: "), r.stderr
+
+
+@pytest.mark.parametrize("prog, args, line", [
+    ("pi-server", ["--vram-budget", "-3"], "--vram-budget -3: must be in [0, "),
+    ("pi-server", ["--ram-budget", "-1"], "--ram-budget -1: must be in [0, "),
+    ("pi-server", ["--port", "70000"], "--port 70000: must be in [0, 65535]"),
+    ("pi-server", ["-np", "0"], "-np 0: must be in [1, 256]"),
+    ("pi-server", ["--parallel=0"], "--parallel 0: must be in [1, 256]"),
+    ("pi-server", ["-sps", "1.5"], "-sps 1.5: must be in [0, 1]"),
+    ("pi-server", ["-c", "-3"], "-c -3: must be >= 0"),
+    ("pi-server", ["--dtype", "f8"], "--dtype f8: not one of 'auto', 'bf16', 'f32'"),
+    ("pi-run", ["-n", "-5"], "-n -5: must be >= 0"),
+    ("pi-run", ["-c", "-3"], "-c -3: must be >= 0"),
+    ("pi-run", ["-t", "-2"], "-t -2: must be between 0"),
+    ("pi-run", ["-t", "two"], "-t two: not a valid integer"),
+    ("pi-run", ["--ram-budget", "-1"], "--ram-budget -1: must be in [0, "),
+    ("pi-run", ["--vram-budget", "nan"], "--vram-budget nan: not a finite number"),
+    ("pi-run", ["--no-such-flag"], "No such option '--no-such-flag'"),
+    ("pi-perplexity", ["--ram-budget", "-1"], "--ram-budget -1: must be in [0, "),
+    ("pi-perplexity", ["-c", "-3"], "-c -3: must be >= 0"),
+])
+def test_bad_values_get_one_line_and_exit_1(demo_gguf, prog, args, line):
+    """Click's refusals (a range, a choice, a number) and the commands' own checks read alike:
+    ``Error: OPTION VALUE: what is wrong``, exit 1; click's 4-line usage block with exit 2 before."""
+    extra = ["-f", DEMO_CALIBRATION] if prog == "pi-perplexity" else []
+    _one_line(run_cli(prog, ["-m", demo_gguf, *extra, *args]), line)
+
+
+@pytest.mark.parametrize("prog, args, line", [
+    ("pi-convert", ["--sparse-threshold", "nan"], "--sparse-threshold nan: not a finite number"),
+    ("pi-convert", ["--vram-budget=-3"], "--vram-budget -3: must be in [0, "),
+    ("pi-convert", ["--outtype", "q3_k"], "--outtype q3_k: not one of 'f16', 'bf16', 'f32', 'q4_0', 'q8_0'"),
+    ("pi-train-predictor", ["--lr", "inf"], "--lr inf: not a finite number"),
+    ("pi-profile", ["--max-tokens", "x"], "--max-tokens x: not a valid integer"),
+])
+def test_offline_stages_bad_values_get_one_line_and_exit_1(tmp_path, prog, args, line):
+    base = {"pi-convert": [DEMO_MODEL, "--outfile", tmp_path / "o.gguf"],
+            "pi-train-predictor": [DEMO_MODEL, "--data", DEMO_CALIBRATION, "--out", tmp_path / "p"],
+            "pi-profile": [DEMO_MODEL, "--data", DEMO_CALIBRATION, "--out", tmp_path / "a"]}[prog]
+    _one_line(run_cli(prog, [*base, *args]), line)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_folder_without_config_json_is_refused_before_importing_torch(tmp_path):
+    """An empty folder as the model: every stage that reads a Hugging Face folder names the missing
+    config.json without importing torch or transformers (pi-convert took 9-10 s of imports first)."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    want = f"{empty}: no config.json, so this is not a Hugging Face model folder"
+    _one_line(run_cli("pi-convert", [empty, "--outfile", tmp_path / "o.gguf"]), want)
+    _one_line(run_cli("pi-profile", [empty, "--data", DEMO_CALIBRATION, "--out", tmp_path / "a"]), want)
+    _one_line(run_cli("pi-train-predictor", [empty, "--data", DEMO_CALIBRATION, "--out", tmp_path / "p"]), want)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+
+
+def test_a_text_file_named_gguf_is_refused_before_importing_torch(tmp_path):
+    """A text file named .gguf: pi-run, pi-perplexity, pi-server and pi-quantize name its magic
+    without importing torch (pi-run and pi-perplexity imported it first, 2.5-4 s)."""
+    fake = tmp_path / "notes.gguf"
+    fake.write_text("hello, this is text\n")
+    want = f"{fake}: wrong magic b'hell' (expected b'GGUF' or b'PWRI'); not a GGUF file"
+    _one_line(run_cli("pi-run", ["-m", fake, "-p", "hi"]), want)
+    _one_line(run_cli("pi-perplexity", ["-m", fake, "-f", DEMO_CALIBRATION]), want)
+    _one_line(run_cli("pi-server", ["-m", fake]), want)
+    _one_line(run_cli("pi-quantize", [fake, tmp_path / "q.gguf", "q4_0"]), want)
+    _one_line(run_cli("pi-report", [fake]), f"{fake}: not a folder")
+
+
 def test_a_file_given_as_model_folder_is_named(tmp_path):
     _refused_early(run_cli("pi-profile", [DEMO_CALIBRATION, "--data", DEMO_CALIBRATION, "--out", tmp_path / "a"]),
                    f"{DEMO_CALIBRATION}: not a folder")
+
+
+# ------------------------------------------------------------------ Ctrl-C in pi-run
+def test_ctrl_c_in_pi_run_prints_the_timings_so_far_and_exits_130(demo_gguf):
+    """SIGINT after the first tokens (the process sends it to itself from the sampler once 5 tokens are
+    out, so the moment is exact, not raced): generation stops at the next token, the text so far and
+    the summary (prompt eval, generation with the token count) are printed, exit code 130 as
+    llama.cpp's tools; before, click printed only 'Aborted!' and exited 1."""
+    code = ("import os, signal, sys\n"
+            "import powerinfer.runtime.generate as g\n"
+            "real, n = g.sample, [0]\n"
+            "def sample(*a, **k):\n"
+            "    n[0] += 1\n"
+            "    if n[0] == 5:\n"
+            "        os.kill(os.getpid(), signal.SIGINT)\n"
+            "    return real(*a, **k)\n"
+            "g.sample = sample\n"
+            f"sys.argv = ['pi-run', '-m', {str(demo_gguf)!r}, '-p', 'Once upon a time', '-n', '400', '--ignore-eos',"
+            " '-t', '1']\n"
+            "from powerinfer.runtime.cli import main\n"
+            "main()\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 130, r.stderr
+    assert "Aborted!" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    n = int(re.search(r"interrupted \(Ctrl-C\) after (\d+) tokens", r.stderr)[1])
+    assert 5 <= n <= 6, r.stderr  # the token sampled when the signal came, perhaps the next
+    assert re.search(rf"^generation:  {n} tokens, \d+ evals in [0-9.]+ ms", r.stderr, re.M), r.stderr
+    assert re.search(r"^prompt eval: \d+ tokens in [0-9.]+ ms", r.stderr, re.M), r.stderr
+    assert r.stdout.startswith("Once upon a time") and len(r.stdout) > len("Once upon a time\n")
 
 
 # ------------------------------------------------------------------ pi-server: the model before the port

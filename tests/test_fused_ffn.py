@@ -67,6 +67,59 @@ def test_fused_call_covers_each_ffn_kind_and_activation(files, ffn_kind, act):
     assert torch.allclose(fused, ref, rtol=0, atol=1e-5 * max(1.0, ref.abs().max().item())) and c1 == c2
 
 
+def _reference(ffn, kind: str, thr: float | None, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The FFN output for neurons ``idx`` in float64 from the dequantized weights, with the
+    activation written here from its definition (ReLU: v if v > 0; FATReLU: v if v >= thr, else 0),
+    independent of Activation.apply, gate_min and the kernels."""
+    def deq(w):
+        return (w.dequantize() if hasattr(w, "dequantize") else w).double()
+
+    def act(v):
+        return torch.where(v > 0, v, 0.0) if thr is None else torch.where(v >= thr, v, 0.0)
+
+    xd = x.double().view(-1)
+    u = deq(ffn.up)[idx] @ xd
+    if kind == "relu":
+        hidden = act(u)
+    else:
+        g = deq(ffn.gate)[idx] @ xd
+        hidden = act(g) * (u if kind == "reglu" else act(u))
+    return hidden @ deq(ffn.down_t)[idx]
+
+
+@pytest.mark.parametrize("ffn_kind", ["reglu", "dreglu", "relu"])
+def test_fused_call_applies_the_fatrelu_threshold(files, ffn_kind):
+    """Each FFN kind with FATReLU (threshold 0.3) against an independent float64 reference on the f16
+    file (no activation rounding), and not equal to the same FFN under plain ReLU: among the
+    predicted neurons some pre-activations lie in (0, 0.3), so an activation that ignored the
+    threshold (in the C call, in gate_min or in both) would show. (The Python-path comparison above
+    cannot see that: both paths share gate_min, which skips the up rows below the threshold.)"""
+    thr = 0.3
+    model = Transformer(open_gguf(files["f16"]), torch.float32)
+    ffn = model.layers[1].ffn
+    ffn.family = dataclasses.replace(ffn.family, ffn=ffn_kind)
+    if ffn_kind == "relu":
+        ffn.gate = None
+    g = torch.Generator().manual_seed(7)
+    h, x = torch.randn(1, N_EMBD, generator=g), 2 * torch.randn(1, N_EMBD, generator=g)
+    idx = ffn.predict(h).view(-1).nonzero().view(-1)
+    pre = ffn.up.dequantize().double()[idx] @ x.double().view(-1) if ffn_kind == "relu" else \
+        ffn.gate.dequantize().double()[idx] @ x.double().view(-1)
+    assert ((pre > 0) & (pre < thr)).sum() >= 3  # the threshold decides for these neurons
+
+    outs = {}
+    for name, act in (("fatrelu", Activation("fatrelu", thr)), ("relu", Activation("relu"))):
+        ffn.act = act
+        ffn.__dict__.pop("gate_min", None)
+        assert ffn.fused() is not None
+        ffn.reset_stats()
+        outs[name] = ffn(h, x)[0].double()
+        assert ffn.n_calls == 1 and ffn.n_active == idx.numel()  # the one-call path ran, on these rows
+        want = _reference(ffn, ffn_kind, thr if name == "fatrelu" else None, x, idx)
+        assert torch.allclose(outs[name], want, rtol=0, atol=1e-4 * max(1.0, want.abs().max().item())), name
+    assert (outs["fatrelu"] - outs["relu"]).abs().max() > 1e-2
+
+
 def test_python_path_where_the_call_cannot_run(files):
     model = Transformer(open_gguf(files["q4_0"]), torch.float32)
     ffn = model.layers[0].ffn

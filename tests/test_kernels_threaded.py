@@ -187,3 +187,32 @@ def test_threaded_dequantized_rows_equal_gguf_reference_bit_for_bit(threaded, na
     assert torch.equal(kernels.dequant_rows(w, 0, 2300), w.dequantize())
     ids = torch.randint(0, 2300, (2100,), generator=torch.Generator().manual_seed(9))
     assert torch.equal(kernels.embed(w, ids), w.dequantize()[ids])
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "F16"])
+def test_threaded_several_token_row_kernels_equal_one_thread_and_one_token(threaded, name):
+    """rows_dot_multi / rows_axpy_multi sized above PAR_MIN_BYTES on two threads (their parallel
+    branches, which every other test leaves unrun): bit for bit the one-thread result and each
+    token's one-token rows_dot / rows_axpy over its own rows."""
+    F_, D, T = 2400, 512, 6
+    gate, up, down = make(name, F_, D, 31), make(name, F_, D, 32), make(name, F_, D, 33)
+    g = torch.Generator().manual_seed(34)
+    x = torch.randn(T, D, generator=g)
+    masks = torch.rand(T, F_, generator=g) < 0.4
+    idx = masks.any(0).nonzero().view(-1)
+    sel = masks[:, idx]
+    assert idx.numel() * gate.raw.shape[1] >= PAR_MIN_BYTES
+    ga, ua = kernels.rows_dot_multi(x, idx, sel, gate, up, 0.0)
+    ga1, ua1 = threaded(lambda: kernels.rows_dot_multi(x, idx, sel, gate, up, 0.0))
+    assert torch.equal(ga, ga1) and torch.equal(ua, ua1)
+    coef = torch.where(sel, torch.relu(ga) * ua, torch.zeros(()))
+    assert int((coef != 0).any(0).sum()) * down.raw.shape[1] >= PAR_MIN_BYTES
+    for chunk in (0, 64):
+        out = kernels.rows_axpy_multi(idx, down, coef, chunk)
+        assert torch.equal(out, threaded(lambda: kernels.rows_axpy_multi(idx, down, coef, chunk)))
+        for t in range(T):
+            own = masks[t].nonzero().view(-1)
+            g1, u1 = kernels.rows_dot(x[t], own, gate, up, 0.0)
+            assert torch.equal(ga[t][sel[t]], g1) and torch.equal(ua[t][sel[t]], u1)
+            assert torch.equal(out[t], kernels.rows_axpy(own, down, torch.relu(g1) * u1)), (t, chunk)
+    assert close(ga[1][sel[1]], reference(gate, x[1:2])[0][idx[sel[1]]])

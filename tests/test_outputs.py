@@ -61,4 +61,4 @@ def test_convert_checks_the_activation_folder_before_writing(relu_hf, tmp_path):
     assert r.exit_code == 1 and "activation_3.pt" in r.output
     assert not out.exists()
     r = CliRunner().invoke(convert_main, [str(relu_hf), "--outfile", str(out), "--vram-budget", "-1"])
-    assert r.exit_code == 2 and "Invalid value for '--vram-budget'" in r.output and not out.exists()
+    assert r.exit_code == 1 and "--vram-budget -1: must be in [0, " in r.output and not out.exists()

@@ -159,11 +159,13 @@ def test_torch_backend_computes_on_dequantized_weights():
         w = make("Q4_0", 40, 64)
         x = torch.randn(2, 64)
         assert close(kernels.linear(x, w), reference(w, x))
-        idx = torch.tensor([1, 5])
-        g, u = kernels.rows_dot(x[0], idx, w, w)
-        assert close(g, reference(w, x[:1])[0, idx]) and torch.equal(u, g)  # the same rows of the same weight
-        assert close(kernels.rows_axpy(idx, w, torch.tensor([1.0, 2.0])),
-                     torch.tensor([1.0, 2.0]).double() @ w.dequantize().double()[idx])
+        up = make("Q4_0", 40, 64, seed=1)  # another weight: up must be computed from its own rows
+        idx = torch.tensor([1, 5, 39])
+        g, u = kernels.rows_dot(x[0], idx, w, up)
+        assert close(g, reference(w, x[:1])[0, idx]) and close(u, reference(up, x[:1])[0, idx])
+        assert not torch.equal(u, g)
+        assert close(kernels.rows_axpy(idx, w, torch.tensor([1.0, 2.0, -0.5])),
+                     torch.tensor([1.0, 2.0, -0.5]).double() @ w.dequantize().double()[idx])
     finally:
         kernels.set_backend("auto")
 
@@ -213,3 +215,32 @@ def test_gate_and_up_of_different_types(lib):
     idx = torch.tensor([0, 3, 39])
     g, u = kernels.rows_dot(x, idx, gate, up, gmin=0.0)
     assert close(g, reference(gate, x[None])[0, idx]) and close(u, reference(up, x[None])[0, idx])
+
+
+@pytest.mark.parametrize("name", ["F16", "BF16"])
+@pytest.mark.parametrize("K", [104, 100, 47, 31])
+def test_16bit_kernels_take_rows_not_a_multiple_of_32(lib, name, K):
+    """F16/BF16 rows of K = 104, 100, 47, 31 values (the SIMD loops take 32, 16 or 8 at a time, then
+    a tail; 104 is whole groups of 8, not of 16 or 32): products, sparse rows, axpy, the transposed
+    product and conversions against the float64 reference, the tail included (a kernel that drops
+    it is off by the tail's share)."""
+    n = 70
+    w, up = make(name, n, K, seed=21), make(name, n, K, seed=22)
+    g = torch.Generator().manual_seed(K)
+    for T in (1, 3):
+        x = torch.randn(T, K, generator=g)
+        assert close(kernels.linear(x, w), reference(w, x))
+    x = torch.randn(K, generator=g)
+    tail = torch.zeros(K)
+    tail[K - K % 8 - 1 if K % 8 else K - 1:] = 1.0  # only the last values (the tail) non-zero
+    assert close(kernels.linear(tail[None], w), reference(w, tail[None]))
+    assert kernels.linear(tail[None], w).abs().max() > 0
+    idx = torch.tensor([0, 3, 40, 69])
+    rg, ru = kernels.rows_dot(x, idx, w, up)
+    assert close(rg, reference(w, x[None])[0, idx]) and close(ru, reference(up, x[None])[0, idx])
+    coef = torch.tensor([1.0, -0.5, 2.0, 0.25])
+    assert close(kernels.rows_axpy(idx, w, coef), coef.double() @ w.dequantize().double()[idx])
+    h = torch.randn(4, n, generator=g)
+    assert close(kernels.matmul(h, w), h.double() @ w.dequantize().double())
+    assert torch.equal(kernels.dequant_rows(w, 0, n), w.dequantize())
+    assert torch.equal(kernels.embed(w, torch.tensor([5, 69, 0])), w.dequantize()[[5, 69, 0]])

@@ -122,3 +122,18 @@ def test_min_p_keeps_tokens_within_a_share_of_the_best():
     # min_p 1.0 keeps only the best token; 0 is off
     assert set(_draws(LOGITS, SamplerSettings(temp=1.0, top_k=0, top_p=1.0, min_p=1.0), 200)) == {3}
     assert set(_draws(LOGITS, SamplerSettings(temp=1.0, top_k=0, top_p=1.0, min_p=0.0), 2000)) == {0, 1, 2, 3, 4}
+
+
+def test_tiny_temperature_and_penalty_give_a_token_not_an_error():
+    """Found by the server's fuzz test (test_server_fuzz.py): temperature 5e-324 divided the logits to
+    inf and the softmax to NaN (a 500); a repeat penalty of 5e-324 divided a positive logit to inf.
+    Now a tiny temperature draws the best token (the limit of p ** (1 / t)), and a tiny penalty makes
+    the penalized tokens with positive logits the most likely ones (the limit of logit / penalty)."""
+    logits = torch.tensor([1.0, 3.0, 2.0, -1.0])
+    g = torch.Generator().manual_seed(0)
+    for t in (5e-324, 1e-45, 1e-300):
+        assert {sample(logits, SamplerSettings(temp=t, top_k=0, top_p=1.0), g) for _ in range(20)} == {1}
+    s = SamplerSettings(temp=0.8, top_k=0, top_p=1.0, repeat_penalty=5e-324)
+    assert {sample(logits, s, g, history=[2]) for _ in range(20)} == {2}
+    s = SamplerSettings(temp=5e-324, top_k=0, top_p=1.0, repeat_penalty=5e-324)
+    assert {sample(logits, s, g, history=[0, 3]) for _ in range(20)} == {0}

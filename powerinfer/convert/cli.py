@@ -7,14 +7,14 @@ from pathlib import Path
 import click
 
 from ..activation_flag import ffn_activation_option
-from ..cli_params import FiniteFloat, require_folder, require_model_folder, version_option
+from ..cli_params import PiCommand, FiniteFloat, require_folder, require_model_folder, version_option
 from ..errors import cli_errors
 from .type_names import DEFAULT_PREDICTOR_TYPE, OUTTYPES, PREDICTOR_TYPES
 
 from ..limits import MAX_BUDGET_GIB, MAX_THRESHOLD
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=PiCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("model_dir", type=click.Path(file_okay=False))
 @click.argument("pred_dir", required=False, type=click.Path(file_okay=False))
 @click.option("--outfile", required=True, type=click.Path(dir_okay=False),

@@ -5,12 +5,12 @@ import logging
 
 import click
 
-from ..cli_params import require_file, version_option
+from ..cli_params import PiCommand, require_file, version_option
 from ..errors import PowerInferError, cli_errors
 from .type_names import DEFAULT_PREDICTOR_TYPE, PREDICTOR_TYPES, QUANTIZE_TYPES
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=PiCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("infile", type=click.Path(dir_okay=False))
 @click.argument("outfile", type=click.Path(dir_okay=False))
 @click.argument("qtype", metavar="TYPE")

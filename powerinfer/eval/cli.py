@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ..cli_params import FiniteFloat, check_ctx_size, check_threads, require_file, version_option
+from ..cli_params import PiCommand, FiniteFloat, check_ctx_size, check_threads, require_file, require_gguf, version_option
 from ..errors import PowerInferError, cli_errors
 from ..limits import MAX_BUDGET_GIB
 from ..runtime.cli import DTYPE_NAMES
@@ -134,7 +134,7 @@ def compare_table(results: dict[str, PerplexityResult]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows) + "\n"
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=PiCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-m", "--model", "model_path", required=True, type=click.Path(dir_okay=False),
               help="GGUF (dense) or PowerInfer GGUF (PWRI magic, sparse) file.")
 @click.option("-f", "--file", "text_path", required=True, type=click.Path(dir_okay=False),
@@ -177,7 +177,7 @@ def main(model_path, text_path, ctx_size, n_chunks, n_batch, threads, dtype, den
     if ram_budget is not None and (dense or oracle or compare):
         raise PowerInferError("--ram-budget runs the predictor's sparse FFN: it cannot be combined with --dense, "
                               "--oracle or --compare")
-    require_file(model_path)
+    require_gguf(model_path)
     require_file(text_path)
     from ..formats.gguf_file import open_gguf
     from .perplexity import read_text

@@ -14,7 +14,7 @@ import click
 
 from ..calibrate.options import calibration_options
 from ..activation_flag import ffn_activation_option
-from ..cli_params import require_data, require_model_folder, version_option
+from ..cli_params import PiCommand, require_data, require_model_folder, version_option
 from ..errors import cli_errors
 
 __all__ = ["main", "format_table"]
@@ -43,7 +43,7 @@ def profile_table(stats: dict[str, Any]) -> str:
     return format_table(("layer", "sparsity", "top10%", "top20%", "dead", "powerlaw_slope"), rows)
 
 
-@click.command(context_settings=dict(help_option_names=["-h", "--help"]))
+@click.command(cls=PiCommand, context_settings=dict(help_option_names=["-h", "--help"]))
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.option("--data", required=True, type=str,
               help="Calibration text: any UTF-8 text file (paragraphs end at blank lines; e.g. WikiText's "

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from ..cli_params import version_option
+from ..cli_params import PiCommand, require_folder, version_option
 from ..errors import PowerInferError, cli_errors
 from ..profile.cli import format_table
 
@@ -57,7 +57,7 @@ def report_table(rows: list[dict]) -> str:
     return format_table(cols, [[r.get(k) for k in cols] for r in rows])
 
 
-@click.command(help=HELP, context_settings=dict(help_option_names=["-h", "--help"]))
+@click.command(cls=PiCommand, help=HELP, context_settings=dict(help_option_names=["-h", "--help"]))
 @click.argument("act_dir", type=click.Path(path_type=Path))
 @click.argument("pred_dir", required=False, type=click.Path(path_type=Path))
 @click.option("-o", "--out", "out_png", default=None, type=click.Path(path_type=Path),
@@ -67,6 +67,9 @@ def report_table(rows: list[dict]) -> str:
 @version_option("pi-report")
 @cli_errors
 def main(act_dir: Path, pred_dir: Path | None, out_png: Path | None, json_out: Path | None) -> None:
+    require_folder(act_dir, "activation")  # before torch is imported (seconds)
+    if pred_dir is not None:
+        require_folder(pred_dir, "predictor")
     from ..formats._atomic import atomic_path
     from .plot import MISSING_MATPLOTLIB, REPORT_FILE, load_report_data, report_rows, write_report
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ..cli_params import FiniteFloat, check_ctx_size, check_threads, plural, rate, require_file, version_option
+from ..cli_params import PiCommand, FiniteFloat, check_ctx_size, check_threads, plural, rate, require_file, require_gguf, version_option
 from ..errors import PowerInferError, cli_errors
 from ..limits import MAX_BUDGET_GIB
 
@@ -135,7 +135,7 @@ def bench_report(model: "Transformer", st: "GenStats", path: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=PiCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-m", "--model", "model_path", required=True, type=click.Path(dir_okay=False),
               help="GGUF (dense) or PowerInfer GGUF (PWRI magic, sparse) file.")
 @click.option("-p", "--prompt", default="Once upon a time", show_default=True,
@@ -202,7 +202,7 @@ def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_
     check_sampler(n_predict, temp, top_k, top_p, seed, repeat_penalty, repeat_last_n, min_p)
     check_ctx_size(ctx_size)
     check_threads(threads)
-    require_file(model_path)
+    require_gguf(model_path)
     if prompt_file is not None:
         if click.get_current_context().get_parameter_source("prompt") == click.core.ParameterSource.COMMANDLINE:
             raise PowerInferError("-p and -f: give the prompt one way, not both")
@@ -267,12 +267,29 @@ def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_
         out.write(piece)
         out.flush()
 
-    st, _ = Session(model, tok).generate_text(ids, n_predict, sampler, on_text, ignore_eos=ignore_eos)
+    from .interactive import _Interrupt
+
+    # Ctrl-C stops at the next token and still prints the timings so far, exit code 130 (128 + SIGINT),
+    # as llama.cpp's tools print their perf summary on SIGINT
+    with _Interrupt() as intr:
+        st, _ = Session(model, tok).generate_text(ids, n_predict, sampler, on_text, ignore_eos=ignore_eos,
+                                                  should_stop=lambda: intr.hit)
     out.write("\n")
     out.flush()
+    print_timings(model, model_path, st, n_predict, interrupted=intr.hit)
+    if intr.hit:
+        click.get_current_context().exit(130)
+
+
+def print_timings(model, model_path: str, st, n_predict: int, interrupted: bool = False) -> None:
+    """pi-run's summary on stderr: the model, prompt and generation counts and times, FFN shares."""
+    from . import kernels
+
     mode = "dense" if model.dense else "sparse"
     err = sys.stderr
-    if st.stop == "context":
+    if interrupted:
+        err.write(f"note: interrupted (Ctrl-C) after {plural(st.n_gen, 'token')}\n")
+    elif st.stop == "context":
         err.write(f"note: the context is full ({model.n_ctx} tokens): stopped after {plural(st.n_gen, 'token')}"
                   + (f" of -n {n_predict}" if n_predict >= 0 else "") + "\n")
     err.write(f"\nmodel: {model_path} ({model.args.family.name}, {mode}, {str(model.dtype).removeprefix('torch.')}, "

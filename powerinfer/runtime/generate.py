@@ -54,6 +54,8 @@ def sample(logits: torch.Tensor, s: SamplerSettings, gen: torch.Generator | None
     logits = apply_repeat_penalty(logits, history, s.repeat_penalty)
     if s.temp <= 0:
         return int(logits.argmax())
+    if torch.isinf(logits).any():  # a tiny penalty (5e-324) divides a logit to inf: the largest float instead
+        logits = logits.clamp(-torch.finfo(logits.dtype).max, torch.finfo(logits.dtype).max)
     if 0 < s.top_k < logits.numel():
         vals, idx = logits.topk(s.top_k)
     else:
@@ -65,7 +67,10 @@ def sample(logits: torch.Tensor, s: SamplerSettings, gen: torch.Generator | None
     if s.min_p > 0.0:  # llama.cpp's min-p: logits within log(min_p) of the best one
         keep = max(1, int((vals >= vals[0] + math.log(s.min_p)).sum()))
         vals, idx = vals[:keep], idx[:keep]
-    probs = torch.softmax(vals / s.temp, -1)
+    scaled = vals / s.temp
+    if not torch.isfinite(scaled).all():  # a temperature too small for fp32 (5e-324): softmax(inf - inf) is NaN;
+        return int(idx[0])  # its limit is the best token (vals are sorted, best first)
+    probs = torch.softmax(scaled, -1)
     return int(idx[torch.multinomial(probs, 1, generator=gen)])
 
 

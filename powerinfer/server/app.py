@@ -3,7 +3,7 @@
 template and the request's ``chat_template_kwargs`` (over ``--chat-template-kwargs``); a thinking
 model's ``<think>`` text comes back as ``reasoning_content`` unless ``reasoning_format`` is ``none``.
 
-Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a
+``GET /openapi.json`` describes every route and request body (OpenAPI 3.1). Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a
 malformed body (bad JSON, a wrong type or range, a prompt or ``max_tokens`` that does not
 fit the context), 401 for a missing or wrong API key, 404 for an unknown model name, 413
 for a body over ``max_body_bytes``, 503 when the queue is full. Streaming responses are
@@ -67,8 +67,39 @@ class ServerState:
         self.reasoning_format = reasoning_format
 
 
+BODIES = {"CompletionRequest": CompletionRequest, "ChatRequest": ChatRequest,
+          "NativeCompletionRequest": NativeCompletionRequest, "TokenizeRequest": TokenizeRequest,
+          "DetokenizeRequest": DetokenizeRequest}
+
+
+def _body(name: str) -> dict:
+    """The OpenAPI ``requestBody`` of a route whose handler validates ``BODIES[name]`` itself."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{name}"}}}}}
+
+
+def openapi_schema(app: FastAPI) -> dict:
+    """The app's OpenAPI 3.1 document (``GET /openapi.json``), with the request bodies the handlers
+    validate with pydantic (:mod:`.protocol`) as components, so a schema-driven client (or fuzzer)
+    knows every field, type and range."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+        from pydantic.json_schema import models_json_schema
+
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        _, defs = models_json_schema([(m, "validation") for m in BODIES.values()],
+                                     ref_template="#/components/schemas/{model}")
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
 def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="powerinfer", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
+    from .. import __version__
+
+    app = FastAPI(title="powerinfer", version=__version__, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json", redirect_slashes=False)
+    app.openapi = lambda: openapi_schema(app)
 
     @app.exception_handler(StarletteHTTPException)
     async def _route_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -107,14 +138,14 @@ def create_app(state: ServerState) -> FastAPI:
                      "n_layer": m.args.n_layer, "n_embd": m.args.n_embd, "n_ff": m.args.n_ff,
                      "family": m.args.family.name, "sparse": not m.dense}}]}
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", openapi_extra=_body("CompletionRequest"))
     async def completions(request: Request):
         req = await _parse(request, state, CompletionRequest)
         _check_model(state, req.model)
         ids = await asyncio.to_thread(_prompt_ids, state, req.prompt)
         return await _respond(request, state, req, ids, req.max_tokens, "completion")
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", openapi_extra=_body("ChatRequest"))
     async def chat_completions(request: Request):
         req = await _parse(request, state, ChatRequest)
         _check_model(state, req.model)
@@ -135,7 +166,7 @@ def create_app(state: ServerState) -> FastAPI:
         req = await _parse(request, state, ApplyTemplateRequest)
         return {"prompt": _render_chat(state, req, req.add_generation_prompt)}
 
-    @api.post("/completion")
+    @api.post("/completion", openapi_extra=_body("NativeCompletionRequest"))
     async def native_completion(request: Request):
         req = await _parse(request, state, NativeCompletionRequest)
         ids = await asyncio.to_thread(_prompt_ids, state, req.prompt)
@@ -143,13 +174,13 @@ def create_app(state: ServerState) -> FastAPI:
             req.repeat_last_n = req.penalty_last_n
         return await _respond(request, state, req, ids, req.limit(), "native")
 
-    @api.post("/tokenize")
+    @api.post("/tokenize", openapi_extra=_body("TokenizeRequest"))
     async def tokenize(request: Request) -> dict:
         req = await _parse(request, state, TokenizeRequest)
         ids = await asyncio.to_thread(state.tok.encode, req.content, req.add_special, req.parse_special)
         return {"tokens": ids}
 
-    @api.post("/detokenize")
+    @api.post("/detokenize", openapi_extra=_body("DetokenizeRequest"))
     async def detokenize(request: Request) -> dict:
         req = await _parse(request, state, DetokenizeRequest)
         return {"content": state.tok.decode(_check_ids(state, req.tokens, "tokens"))}
@@ -180,8 +211,8 @@ def create_app(state: ServerState) -> FastAPI:
         return Response(body, media_type=content_type)
 
     # llama.cpp's aliases: unversioned OpenAI routes and /v1/health
-    api.add_api_route("/completions", completions, methods=["POST"])
-    api.add_api_route("/chat/completions", chat_completions, methods=["POST"])
+    api.add_api_route("/completions", completions, methods=["POST"], openapi_extra=_body("CompletionRequest"))
+    api.add_api_route("/chat/completions", chat_completions, methods=["POST"], openapi_extra=_body("ChatRequest"))
     app.add_api_route("/v1/health", health, methods=["GET"])
     app.include_router(api)
 

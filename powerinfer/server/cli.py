@@ -13,12 +13,13 @@ import sys
 
 import click
 
-from ..cli_params import FiniteFloat, check_ctx_size, check_threads, version_option
+from ..cli_params import PiCommand, FiniteFloat, check_ctx_size, check_threads, version_option
 from ..errors import PowerInferError, cli_errors
 from ..limits import MAX_BUDGET_GIB
 from ..runtime.cli import DTYPE_NAMES
 
 MAX_BODY_BYTES = 4 << 20
+DEFAULT_SLOT_PROMPT_SIMILARITY = 0.5  # scheduler.DEFAULT_SLOT_PROMPT_SIMILARITY (not imported here: torch)
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -39,7 +40,7 @@ def _check_port_free(host: str, port: int) -> None:
                                   f"choose another --port)") from None
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=PiCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-m", "--model", "model_path", required=True, type=click.Path(dir_okay=False),
               help="GGUF (dense) or PowerInfer GGUF (sparse) file.")
 @click.option("--host", default="127.0.0.1", show_default=True,
@@ -75,13 +76,18 @@ def _check_port_free(host: str, port: int) -> None:
 @click.option("--reasoning-format", type=click.Choice(["auto", "deepseek", "none"]), default="auto", show_default=True,
               help="A thinking model's <think>...</think> text: returned apart as reasoning_content (auto, deepseek), "
                    "or left in content (none); a request's reasoning_format overrides it.")
+@click.option("-sps", "--slot-prompt-similarity", "similarity", type=FiniteFloat(0, 1),
+              default=DEFAULT_SLOT_PROMPT_SIMILARITY, show_default=True,
+              help="With -np > 1: a request takes the idle slot whose cache holds more than this share of its "
+                   "prompt (llama-server's -sps, whose default is 0.1); else the least recently used slot "
+                   "(0: always that).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 @version_option("pi-server")
 @cli_errors
 def main(model_path, host, port, ctx_size, n_parallel, ubatch, ffn_batch, metrics, threads, dense, dtype,
          kernel_backend, vram_budget, ram_budget, alias, api_key, max_queue, template_kwargs, reasoning_format,
-         log_level):
+         similarity, log_level):
     """Serve a model: POST /v1/completions, /v1/chat/completions (stream or not), /completion, /apply-template;
     GET /v1/models, /health, /slots, /metrics. -np N requests are decoded at once (continuous batching), more wait
     in arrival order."""
@@ -110,7 +116,8 @@ def main(model_path, host, port, ctx_size, n_parallel, ubatch, ffn_batch, metric
                                     kernel_backend=kernel_backend, vram_budget=vram_budget, ram_budget=ram_budget,
                                     note=lambda s: click.echo(s, err=True))
     template = template_for(tok, template_kwargs)
-    engine = Scheduler(model, tok, n_parallel, max_queue=max_queue, ubatch=ubatch, ffn_mode=ffn_batch)
+    engine = Scheduler(model, tok, n_parallel, max_queue=max_queue, ubatch=ubatch, ffn_mode=ffn_batch,
+                       slot_prompt_similarity=similarity)
     state = ServerState(engine, model_path, alias, api_key, MAX_BODY_BYTES, template, metrics=metrics,
                         reasoning_format=reasoning_format)
     app = create_app(state)
@@ -126,7 +133,7 @@ def main(model_path, host, port, ctx_size, n_parallel, ubatch, ffn_batch, metric
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:  # Ctrl-C / SIGTERM: end running streams now
-            engine.shutdown()
+            engine.shutdown(timeout=10)  # the worker leaves its step before the process exits
             super().handle_exit(sig, frame)
 
     server = Server(config)

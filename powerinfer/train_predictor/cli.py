@@ -17,7 +17,7 @@ from ..calibrate.options import calibration_options
 from ..activation_flag import ffn_activation_option
 from ..errors import cli_errors
 from ..profile.cli import format_table
-from ..cli_params import FiniteFloat, require_data, require_model_folder, version_option
+from ..cli_params import PiCommand, FiniteFloat, require_data, require_model_folder, version_option
 from ..limits import MAX_THRESHOLD
 from .defaults import DEFAULT_TARGET_RECALL
 
@@ -35,7 +35,7 @@ def predictor_table(config: dict[str, Any]) -> str:
                          "epoch", "seconds") + (("cap", "widths tried", "stop") if searched else ()), rows)
 
 
-@click.command(context_settings=dict(help_option_names=["-h", "--help"]))
+@click.command(cls=PiCommand, context_settings=dict(help_option_names=["-h", "--help"]))
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.option("--data", required=True, type=str,
               help="Calibration text: any UTF-8 text file (paragraphs end at blank lines; e.g. WikiText's "
