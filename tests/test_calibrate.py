@@ -22,6 +22,7 @@ from powerinfer.errors import PowerInferError
 from powerinfer.families import get_attr, model_layers
 from powerinfer.formats.activation import load_activation_dir
 from powerinfer.formats.collected import pack_mask, unpack_mask, unpack_mask_torch
+from powerinfer.hardware import cpu_has_bf16
 from powerinfer.hf import load_hf_model, load_hf_tokenizer, resolve_model
 from powerinfer.profile.cli import main as profile_main
 from powerinfer.profile.collect import count_active_neurons, forward_layers, profile_model_dir
@@ -271,7 +272,9 @@ def test_progress_is_one_line_per_layer_without_a_terminal(tmp_path):
     assert all("100 tokens" in l for l in lines)
     assert "\r" not in r.output
     stats = json.loads((tmp_path / "a" / "powerinfer_stats.json").read_text())
-    assert len(stats["stream"]["layer_seconds"]) == 3 and stats["stream"]["dtype"] == "f32"
+    # no --dtype: the CPU's default, bf16 where it has bf16 dot products (AVX512_BF16, AMX), else f32
+    want_dtype = "bf16" if cpu_has_bf16() else "f32"
+    assert len(stats["stream"]["layer_seconds"]) == 3 and stats["stream"]["dtype"] == want_dtype
 
 
 def test_device_and_dtype_errors_are_one_line(tmp_path):

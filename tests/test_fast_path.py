@@ -47,6 +47,35 @@ def test_gathered_rows_equal_plain_reference(backend, dtype, share):
     assert (out - ref).abs().max().item() <= _tol(dtype) * max(1.0, ref.abs().max().item())
 
 
+def test_c_bf16_products_are_fp32_sums_of_exact_products():
+    """The C kernels' bf16 rows (AVX512_BF16's vdpbf16ps where the CPU has it, else widened
+    to fp32) sum the exact bf16 x bf16 products in fp32: within fp32 rounding of a float64
+    reference (1e-5 of the sum of |products|), far inside bf16's own 2^-9, so a kernel that
+    rounded its sums to bf16, or dropped a lane or a tail, would show."""
+    try:
+        kernels.set_backend("c")
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    try:
+        g = torch.Generator().manual_seed(7)
+        for K in (32, 64, 200, 1032):  # below, at, between and past the 64-wide steps
+            w = torch.randn(40, K, generator=g).bfloat16()
+            x = torch.randn(K, generator=g).bfloat16()
+            ref, mag = w.double() @ x.double(), w.double().abs() @ x.double().abs()
+            idx = torch.arange(0, 40, 3)
+            got = {"gemv": kernels._mv(w, x), "rows": kernels.rows_dot(x, idx, w)[0]}
+            for name, y in got.items():
+                want, m = (ref, mag) if name == "gemv" else (ref[idx], mag[idx])
+                assert y.dtype == torch.float32
+                assert ((y.double() - want).abs() <= 1e-5 * m).all(), (name, K)
+            coef = torch.randn(idx.numel(), generator=g)
+            out = kernels.rows_axpy(idx, w, coef).double()
+            wd = w.double()[idx]
+            assert ((out - coef.double() @ wd).abs() <= 1e-5 * (coef.double().abs() @ wd.abs())).all(), K
+    finally:
+        kernels.set_backend("auto")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_and_predict_equal_plain_reference(backend, dtype):
     g = torch.Generator().manual_seed(1)

@@ -44,8 +44,13 @@ class Server:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # f32, not --dtype auto (bf16 on a CPU with AVX512_BF16): the tests compare texts token for
+        # token across different evaluation splits (a prompt reused from a slot's cache has only its
+        # last token evaluated, alone), and bf16 sums in another order round 1-2 ulps apart, which flips
+        # this untrained model's near-tied choices; f32 keeps them ~1e-6 apart
         self.proc = subprocess.Popen([sys.executable, "-m", "powerinfer.server.cli", "-m", str(model), "--port",
-                                      str(self.port), "-t", "1", "--log-level", "warning", *map(str, args)],
+                                      str(self.port), "-t", "1", "--log-level", "warning", "--dtype", "f32",
+                                      *map(str, args)],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         deadline = time.time() + 90
         while time.time() < deadline:
@@ -87,7 +92,8 @@ def dense_server(sparse_gguf):
 
 
 def _pi_run_text(path, n, *extra) -> str:
-    r = CliRunner().invoke(run_main, ["-m", str(path), "-p", PROMPT, "-n", str(n), "--temp", "0", "-t", "1", *extra])
+    r = CliRunner().invoke(run_main, ["-m", str(path), "-p", PROMPT, "-n", str(n), "--temp", "0", "-t", "1",
+                                   "--dtype", "f32", *extra])  # as the servers
     assert r.exit_code == 0, r.output
     assert r.stdout.startswith(PROMPT) and r.stdout.endswith("\n")
     return r.stdout[len(PROMPT):-1]
