@@ -4,12 +4,14 @@ SentencePiece models (``tokenizer.model``) become ``tokenizer.ggml.model = llama
 scores and token types (``gguf.SentencePieceVocab``). Byte-level BPE folders become ``gpt2`` with
 tokens, types, merges and ``tokenizer.ggml.pre``:
 
-* ``tokenizer.json`` (Llama 3.x, Qwen2/2.5/3, Falcon, ...): tokens are the model's vocab plus
-  ``added_tokens`` at their ids, ids neither has are ``[PAD{i}]`` (type unused) up to the model's
-  vocab size; an added token is ``control`` when it is marked ``special`` or looks special
-  (``<|...|>``, ``<｜...｜>``, ``<pad>``, ``<mask>``, ``<unused...>``), else ``user-defined``
+* ``tokenizer.json`` with a ``Split``-regex pre-tokenizer (Llama 3.x, Qwen2/2.5/3): tokens are the
+  model's vocab plus ``added_tokens`` at their ids, ids neither has are ``[PAD{i}]`` (type unused)
+  up to the model's vocab size; an added token is ``control`` when it is marked ``special`` or looks
+  special (``<|...|>``, ``<｜...｜>``, ``<pad>``, ``<mask>``, ``<unused...>``), else ``user-defined``
   (``▁`` as a space), every other token ``normal``: llama.cpp's ``get_vocab_base``.
-* ``vocab.json`` + ``merges.txt`` (GPT-2, OPT): ``gguf.BpeVocab``, pre-tokenizer ``gpt-2``.
+* GPT-2 / OPT (``vocab.json`` + ``merges.txt``, or a byte-level ``tokenizer.json``) and Falcon:
+  ``gguf.BpeVocab`` as before, pre-tokenizer ``gpt-2`` or ``falcon``; their types are upstream
+  PowerInfer's (``tests/test_tokenizers.py`` pins Falcon's to its ``ggml-vocab-falcon.gguf``).
 
 The pre-tokenizer name (:func:`bpe_pre_tokenizer`): llama.cpp's converter hashes the ids the model's
 tokenizer gives a fixed text and looks the hash up, so it knows only vocabularies it has seen (a
@@ -58,14 +60,16 @@ CHECK_TEXT = ("\n \n\n \t\t \t \n\n\n   \n    x  y\r\n\r\n"
 
 
 def load_vocab(model_dir: str | Path) -> gguf.vocab.Vocab:
-    """The folder's SentencePiece (``tokenizer.model``) or slow GPT-2 BPE (``vocab.json``) vocabulary."""
+    """The folder's SentencePiece (``tokenizer.model``) or GPT-2 BPE (``vocab.json`` or ``tokenizer.json``)
+    vocabulary, through ``gguf``'s readers (upstream PowerInfer's types: added tokens control, or normal
+    where the model's vocab has them too). :func:`add_vocab` uses it for SentencePiece, GPT-2 and Falcon."""
     model_dir = Path(model_dir)
     if (model_dir / "tokenizer.model").is_file():
         try:
             return gguf.vocab.SentencePieceVocab(model_dir)
         except Exception as e:  # noqa: BLE001
             raise PowerInferError(f"{model_dir / 'tokenizer.model'}: not a usable SentencePiece model ({e})") from None
-    if (model_dir / "vocab.json").is_file():
+    if (model_dir / "vocab.json").is_file() or (model_dir / "tokenizer.json").is_file():
         try:
             return gguf.vocab.BpeVocab(model_dir)
         except Exception as e:  # noqa: BLE001
@@ -292,12 +296,14 @@ def add_vocab(writer: gguf.GGUFWriter, model_dir: str | Path, n_vocab: int) -> i
     """
     model_dir = Path(model_dir)
     tj_path = model_dir / "tokenizer.json"
-    from_json = not (model_dir / "tokenizer.model").is_file() and not (model_dir / "vocab.json").is_file() \
-        and tj_path.is_file()
+    pre: str | None = None
+    if not (model_dir / "tokenizer.model").is_file() and not (model_dir / "vocab.json").is_file() \
+            and tj_path.is_file():
+        tokenizer_json = _read_json(tj_path)
+        pre = bpe_pre_tokenizer(model_dir, tokenizer_json)
+    from_json = pre in HF_PRE_NAMES  # GPT-2 and Falcon keep gguf.BpeVocab's types, as upstream PowerInfer's files
     scores: list[float] = []
     if from_json:
-        tokenizer_json = _read_json(tj_path)
-        pre: str | None = bpe_pre_tokenizer(model_dir, tokenizer_json)
         tokens, types = hf_bpe_tokens(model_dir, tokenizer_json, n_vocab)
         tokenizer_model = "gpt2"
     else:
@@ -315,14 +321,13 @@ def add_vocab(writer: gguf.GGUFWriter, model_dir: str | Path, n_vocab: int) -> i
             scores.append(-1000.0)
             types.append(gguf.TokenType.UNUSED)
         tokenizer_model = vocab.tokenizer_model
-        pre = bpe_pre_tokenizer(model_dir) if tokenizer_model == "gpt2" else None
+        pre = (pre or bpe_pre_tokenizer(model_dir)) if tokenizer_model == "gpt2" else None
     special = gguf.SpecialVocab(model_dir, load_merges=tokenizer_model == "gpt2", n_vocab=n_vocab)
     if tokenizer_model == "llama" and "unk" not in special.special_token_ids:
         special.special_token_ids["unk"] = vocab.sentencepiece_tokenizer.unk_id()
     if from_json:
         special.add_special_token.update(_post_processor_adds(tokenizer_json, _tokenizer_config(model_dir)))
-        if pre in HF_PRE_NAMES:
-            check_pre_tokenizer(model_dir, pre, tokens, special.merges)
+        check_pre_tokenizer(model_dir, pre, tokens, special.merges)
     special.chat_template = None  # ours below, checked
     template = chat_template(model_dir)
 
