@@ -340,3 +340,20 @@ def test_regex_we_know_but_a_behaviour_we_do_not_is_refused(tmp_path):
     r = CliRunner().invoke(convert_main, [str(d), "--outfile", str(out), "--for-pi-run"])
     assert r.exit_code != 0 and "reads as 'qwen2'" in r.output and "\n" not in r.output.strip()
     assert not out.exists()
+
+
+@pytest.mark.parametrize("name, wrong", [("qwen35", "qwen2"), ("qwen2", "qwen35"), ("llama-bpe", "qwen2")])
+def test_check_text_tells_the_pre_tokenizers_apart(vocabs, tmp_path, name, wrong):
+    """The conversion-time check is not vacuous: each folder passes under its own name and fails under a
+    neighbour's (qwen2 and qwen35 differ only on marks after letters, llama-bpe and qwen2 on digit runs)."""
+    from powerinfer.convert.vocab import check_pre_tokenizer
+    from powerinfer.errors import PowerInferError
+
+    d = tmp_path / "hf"
+    d.mkdir()
+    CASES[name][0](d, vocabs[name])
+    g = vocabs[name]
+    tokens, merges = g.get("tokenizer.ggml.tokens"), g.get("tokenizer.ggml.merges")
+    check_pre_tokenizer(d, name, tokens, merges)
+    with pytest.raises(PowerInferError, match=f"reads as '{wrong}'.*split a check text differently"):
+        check_pre_tokenizer(d, wrong, tokens, merges)
