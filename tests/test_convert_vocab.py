@@ -110,8 +110,8 @@ def hf_folder(out: Path, family: str, g, n_base: int, added: list[tuple[int, str
         "added_tokens": [_added(i, t, s) for i, t, s in added],
         "normalizer": None if llama else {"type": "NFC"},
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": regex or (LLAMA3_REGEX if llama else QWEN2_REGEX)}, "behavior": "Isolated",
-             "invert": False}, byte_level]},
+            {"type": "Split", "pattern": {"Regex": regex or (LLAMA3_REGEX if llama else QWEN2_REGEX)},
+             "behavior": "Isolated", "invert": False}, byte_level]},
         "post_processor": post,
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": model})
@@ -261,7 +261,8 @@ def test_qwen3_added_tokens_types_and_eog(vocabs, tmp_path):
            "pad_token": "<|endoftext|>", "split_special_tokens": False, "tokenizer_class": "Qwen2Tokenizer",
            "unk_token": None}
     gen = {"bos_token_id": 151643, "eos_token_id": [151645, 151643], "pad_token_id": 151643, "temperature": 0.6}
-    d = hf_folder(tmp_path / "hf", "qwen3", g, 151643, added, cfg, gen | {"eos_token_id": 151645}, merges_as_pairs=False)
+    d = hf_folder(tmp_path / "hf", "qwen3", g, 151643, added, cfg, gen | {"eos_token_id": 151645},
+                  merges_as_pairs=False)
     _write_json(d / "generation_config.json", gen)
     out = open_gguf(convert(d, tmp_path / "m.gguf"))
     assert out.get("tokenizer.ggml.pre") == "qwen2"

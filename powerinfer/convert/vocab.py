@@ -55,8 +55,10 @@ CHECK_TEXT = ("\n \n\n \t\t \t \n\n\n   \n    x  y\r\n\r\n"
               "\U0001F469\u200d\U0001F4BB \U0001F3F3\ufe0f\u200d\U0001F308 \U0001F44D\U0001F3FD \u2705\u2705 "
               "\u1796\u17d2\u179a\u17c7\u17a2\u17b6\u1791\u17b7\u178f\u17d2\u1799 \u0939\u093f\u0928\u094d\u0926\u0940 "
               "\u4eca\u5929\u5929\u6c14\u5f88\u597dapple123\u53f7 \uff5e\u3000\u300c\u30c6\u30b9\u30c8\u300d "
-              "\u041f\u0440\u0438\u0432\u0435\u0442 \u043c\u0438\u0440 \u0395\u03bb\u03bb\u03b7\u03bd\u03b9\u03ba\u03ac "
-              "\u00c9COLE \u00e9cole \u0645\u064e\u0631\u0652\u062d\u064e\u0628\u064b\u0627 ---=== ''''``\"\"...!!??  "
+              "\u041f\u0440\u0438\u0432\u0435\u0442 \u043c\u0438\u0440 "
+              "\u0395\u03bb\u03bb\u03b7\u03bd\u03b9\u03ba\u03ac "
+              "\u00c9COLE \u00e9cole \u0645\u064e\u0631\u0652\u062d\u064e\u0628\u064b\u0627 "
+              "---=== ''''``\"\"...!!??  "
               "I'm you're WE'VE it'S they'D she'll 'Tis O'Neil don't")
 
 
