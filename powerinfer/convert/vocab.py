@@ -241,16 +241,19 @@ def hf_bpe_tokens(model_dir: str | Path, tokenizer_json: dict[str, Any], n_vocab
     return tokens, types  # type: ignore[return-value]
 
 
-def check_pre_tokenizer(model_dir: str | Path, pre: str, tokens: list[str], merges: list[str]) -> None:
+def check_pre_tokenizer(model_dir: str | Path, pre: str, tokens: list[str], merges: list[str],
+                        tokenizer_json: dict[str, Any] | None = None) -> None:
     """Raise PowerInferError unless pi-run's tokenizer for ``pre`` on ``tokens`` + ``merges`` gives the ids the
-    folder's own ``tokenizer.json`` (HF ``tokenizers``, no special tokens added) gives for :data:`CHECK_TEXT`."""
+    folder's own ``tokenizer.json`` (HF ``tokenizers``: its normalizer, pre-tokenizer and BPE; added tokens and
+    post-processor left out, as pi-run cuts those out by llama.cpp's rules) gives for :data:`CHECK_TEXT`."""
     from tokenizers import Tokenizer
 
     from ..runtime.tokenizer import BPE_PRE, _bpe_from_vocab
 
     path = Path(model_dir) / "tokenizer.json"
+    tj = dict(_read_json(path) if tokenizer_json is None else tokenizer_json, added_tokens=[], post_processor=None)
     try:
-        theirs = Tokenizer.from_file(str(path)).encode(CHECK_TEXT, add_special_tokens=False).ids
+        theirs = Tokenizer.from_str(json.dumps(tj)).encode(CHECK_TEXT, add_special_tokens=False).ids
     except Exception as e:  # noqa: BLE001
         raise PowerInferError(f"{path}: the tokenizers library cannot load it ({e})") from None
     ours = _bpe_from_vocab(tokens, merges, SimpleNamespace(path=path), BPE_PRE[pre]).encode(
@@ -330,7 +333,7 @@ def add_vocab(writer: gguf.GGUFWriter, model_dir: str | Path, n_vocab: int) -> i
         special.special_token_ids["unk"] = vocab.sentencepiece_tokenizer.unk_id()
     if from_json:
         special.add_special_token.update(_post_processor_adds(tokenizer_json, _tokenizer_config(model_dir)))
-        check_pre_tokenizer(model_dir, pre, tokens, special.merges)
+        check_pre_tokenizer(model_dir, pre, tokens, special.merges, tokenizer_json)
     special.chat_template = None  # ours below, checked
     template = chat_template(model_dir)
 
