@@ -201,23 +201,24 @@ def _modern(cls_name: str, out_dir: Path, seed: int, **cfg_kw) -> Path:
     return out_dir
 
 
-def make_llama3(out_dir: Path, tied: bool = False) -> Path:
+def make_llama3(out_dir: Path, tied: bool = False, **kw) -> Path:
     """Llama 3.1: GQA 2 q heads per kv head, rope_theta 5e5, llama3 rope scaling; ``tied``: the 3.2 1B/3B
-    layout (output tied to the embedding, no lm_head in the checkpoint)."""
-    return _modern("LlamaForCausalLM", out_dir, 11 + tied, rope_theta=500000.0, rope_scaling=dict(LLAMA3_ROPE),
-                   tie_word_embeddings=tied)
+    layout (output tied to the embedding, no lm_head in the checkpoint). ``kw``: config overrides."""
+    return _modern("LlamaForCausalLM", out_dir, 11 + tied, **{"rope_theta": 500000.0,
+                   "rope_scaling": dict(LLAMA3_ROPE), "tie_word_embeddings": tied, **kw})
 
 
-def make_qwen2(out_dir: Path) -> Path:
-    """Qwen2.5-0.5B's layout: Q/K/V biases, tied output, rope_theta 1e6, eps 1e-6."""
-    return _modern("Qwen2ForCausalLM", out_dir, 13, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                   tie_word_embeddings=True, use_sliding_window=False)
+def make_qwen2(out_dir: Path, **kw) -> Path:
+    """Qwen2.5-0.5B's layout: Q/K/V biases, tied output, rope_theta 1e6, eps 1e-6. ``kw``: config overrides."""
+    return _modern("Qwen2ForCausalLM", out_dir, 13, **{"rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                   "tie_word_embeddings": True, "use_sliding_window": False, **kw})
 
 
-def make_qwen3(out_dir: Path) -> Path:
-    """Qwen3: per-head q_norm/k_norm, explicit head_dim 32 (4 heads of 32 > n_embd 64), no biases."""
-    return _modern("Qwen3ForCausalLM", out_dir, 14, rope_theta=1000000.0, rms_norm_eps=1e-6, head_dim=32,
-                   use_sliding_window=False)
+def make_qwen3(out_dir: Path, **kw) -> Path:
+    """Qwen3: per-head q_norm/k_norm, explicit head_dim 32 (4 heads of 32 > n_embd 64), no biases.
+    ``kw``: config overrides."""
+    return _modern("Qwen3ForCausalLM", out_dir, 14, **{"rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                   "head_dim": 32, "use_sliding_window": False, **kw})
 
 
 def make_mistral(out_dir: Path) -> Path:

@@ -39,6 +39,9 @@ _UNDEFINED, _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = range(7
 # llama.cpp's pre-tokenizers for ``tokenizer.ggml.pre`` (the regexes of llm_tokenizer_bpe, in
 # their adapted, case-explicit form; each one splits every piece the previous ones left).
 _CONTRACTIONS = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+#: The parts HF ``tokenizer.json`` files write with an inline flag, and llama.cpp's adapted form of
+#: each (used by the converter to recognise a folder's pre-tokenizer regex among :data:`BPE_PRE`'s).
+HF_REGEX_FORMS = {"(?i:'s|'t|'re|'ve|'m|'ll|'d)": _CONTRACTIONS}
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
