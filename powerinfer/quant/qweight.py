@@ -79,7 +79,8 @@ class QWeight:
         return self.btype.nbytes / self.btype.block
 
     # ------------------------------------------------------------ checks
-    _SCALES = {"Q4_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}  # byte offsets of fp16 scales
+    _SCALES = {"Q4_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q5_1": (0, 2),
+               "Q5_K": (0, 2)}  # byte offsets of fp16 scales
 
     def first_nonfinite_row(self, rows_per_chunk: int = 4096) -> int | None:
         """The first stored row holding a NaN/inf fp16 block scale (every value for F16/BF16), or None.

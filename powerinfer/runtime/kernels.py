@@ -12,8 +12,8 @@ speed limit is the bytes of weights read per token. Three operations cover it:
   union of their rows, each row read once (batched decoding, ``runtime/batch.py``), each
   token's numbers those of the one-token op.
 
-Each op also takes a :class:`powerinfer.quant.qweight.QWeight` (Q4_0, Q8_0, Q4_K, Q6_K, f16
-or bf16 bytes kept in the file's memory map) and computes on it in place with
+Each op also takes a :class:`powerinfer.quant.qweight.QWeight` (Q4_0, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K,
+f16 or bf16 bytes kept in the file's memory map) and computes on it in place with
 ``qkernels.c``: block-quantized products quantize the activation to 8-bit blocks once per
 product (as ggml does) and sum integers per block; f16 rows convert to fp32 in registers
 (F16C), bf16 rows by a 16-bit shift. :class:`SparseFFNCall` runs one token's whole sparse
@@ -64,10 +64,11 @@ SOURCE = Path(__file__).with_name("kernels.c")
 QSOURCE = Path(__file__).with_name("qkernels.c")
 FSOURCE = Path(__file__).with_name("sparse_ffn.c")  # one token's sparse FFN in one call
 _DT = {torch.float32: 0, torch.bfloat16: 1}
-_QT = {"F16": 2, "BF16": 30, "Q4_0": 10, "Q8_0": 11, "Q4_K": 12, "Q6_K": 13}  # qkernels.c type codes
+_QT = {"F16": 2, "BF16": 30, "Q4_0": 10, "Q8_0": 11, "Q4_K": 12, "Q6_K": 13, "Q5_0": 14, "Q5_1": 15,
+       "Q5_K": 16}  # qkernels.c type codes
 QGEMM_MAX_T = 64  # up to this many tokens a row-layout product runs in the C kernel, above it tiles + torch
 TILE_ROWS = 512  # rows dequantized at a time for prompt products
-Q8_ACT = ("Q4_0", "Q8_0", "Q4_K", "Q6_K")  # types whose products round the activation to 8-bit blocks
+Q8_ACT = ("Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K")  # products round the activation to 8-bit blocks
 PREFETCH_ROWS = 1  # rows ahead to prefetch in gathers (1 measured best for 8 KB rows)
 _state: dict = {"backend": None, "lib": None, "error": None}
 

@@ -1,0 +1,175 @@
+"""The quant types of llama.cpp's K-quant files (Q4_K_M, Q5_K_M, Q6_K) computed in their own bytes.
+
+Every kernel op (dense product of one and of several tokens, gate/up rows, down rows, rows
+dequantized) on Q5_K and on the 32-value types llama.cpp's quantizer writes into those files
+for rows that are not a multiple of 256 values (Q5_0 for Q4_K, Q5_1 for Q5_K), and on Q4_K and
+Q6_K (whose AVX2 products sum a super-block's sub-blocks as one vector), against ``gguf``'s
+numpy dequantizers: products equal ``x @ dequant(w).T`` in float64, ``x`` rounded to 8-bit
+blocks of 32 as the kernels round it, within float32 summation error; conversions bit for bit.
+Native (AVX2) and portable scalar builds (the ``lib`` fixture), one and two threads, row counts
+and block counts that leave tails for every unrolled loop.
+
+Loading: a tensor type without a kernel is dequantized at load only when the copy fits in
+memory (with a warning that gives its size), else refused naming the type and the tensor.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT, quants
+
+from powerinfer.errors import PowerInferError
+from powerinfer.quant.qweight import MAPPED_TYPES, QWeight
+from powerinfer.runtime import kernels
+
+NEW = ["Q5_0", "Q5_1", "Q5_K"]
+K_TYPES = ["Q4_K", "Q5_K", "Q6_K"]
+ALL = NEW + ["Q4_K", "Q6_K"]
+HALF_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # fp16 super-block scales
+
+
+def make(name: str, n: int, k: int, seed: int = 0) -> QWeight:
+    """An ``[n, k]`` QWeight of type ``name``: gguf's own quantizer where it has one (Q5_0, Q5_1),
+    else random bytes (every quant, scale and min bit pattern) with sane fp16 super-block scales."""
+    bt = MAPPED_TYPES[name]
+    rng = np.random.default_rng(seed)
+    if name in ("Q5_0", "Q5_1"):
+        raw = quants.quantize(rng.standard_normal((n, k)).astype(np.float32), QT[name])
+    else:
+        raw = rng.integers(0, 256, size=(n, bt.row_bytes(k)), dtype=np.uint8)
+        blocks = raw.reshape(n, -1, bt.nbytes)
+        for off in HALF_SCALES[name]:
+            blocks[:, :, off:off + 2] = rng.uniform(0.002, 0.02, blocks.shape[:2]).astype(np.float16).view(
+                np.uint8).reshape(n, -1, 2)
+    return QWeight(torch.from_numpy(np.ascontiguousarray(raw).reshape(n, -1)), bt, n, k)
+
+
+def q8(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the kernels see it: 8-bit blocks of 32, scale amax/127 in fp32, round half to even."""
+    b = x.float().reshape(-1, 32)
+    d = b.abs().amax(1, keepdim=True) / 127
+    return (torch.round(b * torch.where(d != 0, 1 / d, torch.zeros_like(d))) * d).reshape(x.shape)
+
+
+def ref_dense(w: QWeight, x: torch.Tensor) -> torch.Tensor:
+    return q8(x).double() @ w.dequantize().double().T
+
+
+def close(got: torch.Tensor, want: torch.Tensor, rel: float = 3e-6) -> None:
+    scale = max(1.0, want.abs().max().item())
+    err = (got.double() - want).abs().max().item()
+    assert err <= rel * scale * want.shape[-1] ** 0.5, (err, scale)
+
+
+@pytest.fixture(params=[1, 2])
+def threads(request):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(saved)
+
+
+def shape(name: str, big: bool) -> tuple[int, int]:
+    """(rows, values per row): an odd count of blocks, rows not a multiple of 4 or 8; ``big`` is
+    over the kernels' threading threshold (128 KiB of weights)."""
+    k = 3 * 256 if name in K_TYPES else 29 * 32
+    return (301, k) if big else (37, k)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_type_is_computed_in_its_own_bytes(name):
+    assert name in kernels._QT and name in MAPPED_TYPES and name in kernels.Q8_ACT
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_dequantized_rows_equal_gguf_bit_for_bit(lib, name):
+    w = make(name, *shape(name, False))
+    assert torch.equal(kernels.dequant_rows(w, 0, w.n_rows), w.dequantize())
+    assert torch.equal(kernels.dequant_rows(w, 5, 9), w.dequantize()[5:9])
+    ids = torch.tensor([36, 0, 5, 5, 20])
+    assert torch.equal(kernels.embed(w, ids), w.dequantize()[ids])
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("T", [1, 2, 5])
+def test_dense_products_equal_reference(lib, threads, name, T):
+    w = make(name, *shape(name, True), seed=T)
+    x = torch.randn(T, w.n_cols)
+    y = kernels.linear(x, w)
+    assert y.shape == (T, w.n_rows)
+    close(y, ref_dense(w, x))
+    for t in range(T):  # a token's numbers do not depend on the others in the call
+        assert torch.equal(kernels.linear(x[t:t + 1], w)[0], y[t])
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_long_prompt_products_equal_reference(lib, name):
+    w = make(name, 70, shape(name, False)[1])
+    x = torch.randn(kernels.QGEMM_MAX_T + 3, w.n_cols)
+    close(kernels.linear(x, w), ref_dense(w, x))
+    h = torch.randn(5, 70)  # h @ w for w stored as 70 rows (a down_t): dequantized tiles, no rounding of h
+    close(kernels.matmul(h, w), h.double() @ w.dequantize().double(), rel=2e-6)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_rows_dot_equals_reference_and_skips_silent_gates(lib, threads, name):
+    n, k = shape(name, True)
+    a, b = make(name, n, k, 1), make(name, n, k, 2)
+    idx = torch.tensor(sorted(np.random.default_rng(3).choice(n, 211, replace=False).tolist()))
+    x = torch.randn(k)
+    ra, rb = kernels.rows_dot(x, idx, a, b)
+    close(ra, ref_dense(a, x[None])[0][idx])
+    close(rb, ref_dense(b, x[None])[0][idx])
+    ga, gb = kernels.rows_dot(x, idx, a, b, gmin=0.0)
+    assert torch.equal(ga, ra)
+    assert torch.equal(gb, torch.where(ra > 0, rb, torch.zeros_like(rb)))
+    dense = kernels.linear(x[None], a)[0]
+    assert torch.equal(dense[idx], ra)  # the dense product and the rows pass are one dot product
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_rows_axpy_equals_reference_and_skips_zero_coefficients(lib, threads, name):
+    n, k = shape(name, True)
+    w = make(name, n, k, 4)
+    idx = torch.arange(3, n, 2)
+    coef = torch.randn(idx.numel())
+    coef[::5] = 0
+    want = coef.double() @ w.dequantize().double()[idx]
+    close(kernels.rows_axpy(idx, w, coef), want[None], rel=2e-6)
+    # a zero coefficient's row is not read: rows made NaN there change nothing
+    raw = w.raw.clone()
+    raw.view(n, -1, w.btype.nbytes)[idx[::5], :, 0:2] = torch.tensor([0x00, 0x7E], dtype=torch.uint8)
+    bad = QWeight(raw, w.btype, n, k)
+    assert torch.equal(kernels.rows_axpy(idx, bad, coef), kernels.rows_axpy(idx, w, coef))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_several_token_rows_equal_one_token_rows(lib, name):
+    n, k = shape(name, False)
+    a, b, down = make(name, n, k, 5), make(name, n, k, 6), make(name, n, k, 7)
+    T = 3
+    x = torch.randn(T, k)
+    idx = torch.arange(0, n, 3)
+    sel = torch.rand(T, idx.numel()) < 0.6
+    ra, rb = kernels.rows_dot_multi(x, idx, sel, a, b)
+    for t in range(T):
+        one_a, one_b = kernels.rows_dot(x[t], idx[sel[t]], a, b)
+        assert torch.equal(ra[t][sel[t]], one_a) and torch.equal(rb[t][sel[t]], one_b)
+        assert not ra[t][~sel[t]].any()
+    coef = torch.randn(T, idx.numel()) * sel
+    out = kernels.rows_axpy_multi(idx, down, coef)
+    for t in range(T):
+        assert torch.equal(out[t], kernels.rows_axpy(idx[sel[t]], down, coef[t][sel[t]]))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_nonfinite_scale_is_found(name):
+    w = make(name, 9, shape(name, False)[1])
+    assert w.first_nonfinite_row() is None
+    raw = w.raw.clone()
+    off = QWeight._SCALES[name][-1]
+    raw.view(9, -1, w.btype.nbytes)[6, 1, off:off + 2] = torch.tensor([0x00, 0x7C], dtype=torch.uint8)  # +inf
+    assert QWeight(raw, w.btype, 9, w.n_cols).first_nonfinite_row() == 6
