@@ -27,7 +27,9 @@ Two backends:
 
 * ``c``: ``kernels.c``, compiled once per machine with the system C compiler
   (``cc -O3 -march=native -fopenmp``, ~1 s, cached under ``~/.cache/powerinfer``)
-  and called through ctypes. bf16 rows are multiplied with AVX512_BF16 dot-product
+  and called through ctypes. ``POWERINFER_MARCH`` replaces ``native`` (e.g.
+  ``POWERINFER_MARCH=haswell``: the AVX2 code an AVX2-only CPU runs, on an AVX-512 machine,
+  for measuring it there); ``CC`` names the compiler. bf16 rows are multiplied with AVX512_BF16 dot-product
   instructions (fp32 sums; other CPUs convert to fp32 in registers), and gathers
   prefetch the next active row while reading the current one. Threads come from
   torch's OpenMP runtime, so ``torch.set_num_threads`` governs them too.
@@ -88,7 +90,8 @@ def _build(native: bool = True) -> ctypes.CDLL:
     sources = (SOURCE, QSOURCE, FSOURCE)
     src = b"".join(p.read_bytes() for p in sources)
     cc = os.environ.get("CC", "cc")
-    flags = ["-O3", "-march=native" if native else "-mtune=generic", "-fopenmp", "-shared", "-fPIC"]
+    march = os.environ.get("POWERINFER_MARCH") or "native"  # e.g. haswell: AVX2 code on an AVX-512 CPU
+    flags = ["-O3", f"-march={march}" if native else "-mtune=generic", "-fopenmp", "-shared", "-fPIC"]
     libs = ["-lm"]
     key = hashlib.sha256(src + cc.encode() + " ".join(flags).encode()
                          + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
