@@ -173,3 +173,109 @@ def test_nonfinite_scale_is_found(name):
     off = QWeight._SCALES[name][-1]
     raw.view(9, -1, w.btype.nbytes)[6, 1, off:off + 2] = torch.tensor([0x00, 0x7C], dtype=torch.uint8)  # +inf
     assert QWeight(raw, w.btype, 9, w.n_cols).first_nonfinite_row() == 6
+
+
+# ---------------------------------------------------------------------------- loading
+def retype(src, dst, types: dict[str, QT], round_trip: bool = False):
+    """``src`` (an f32 GGUF) with the tensors named in ``types`` quantized (gguf's quantizers), or
+    with ``round_trip`` kept in f32 but holding the quantized values (quantized, then dequantized)."""
+    import gguf
+
+    from powerinfer.convert.quantize import _copy_metadata
+    from powerinfer.formats.gguf_file import open_gguf
+
+    g = open_gguf(src)
+    w = gguf.GGUFWriter(str(dst), g.arch)
+    _copy_metadata(w, g, 1)
+    for t in g.reader.tensors:
+        data = np.asarray(t.data)
+        if t.name in types and round_trip:
+            w.add_tensor(t.name, quants.dequantize(quants.quantize(data, types[t.name]), types[t.name]))
+        elif t.name in types:
+            w.add_tensor(t.name, quants.quantize(data, types[t.name]), raw_dtype=types[t.name])
+        else:
+            w.add_tensor(t.name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.fixture(scope="module")
+def q4_1_file(tmp_path_factory, relu_hf):
+    """stories260K-relu in f32 with every ffn_up in Q4_1 (a type without a kernel here)."""
+    from powerinfer.convert.writer import convert
+
+    tmp = tmp_path_factory.mktemp("kq")
+    f32 = convert(relu_hf, tmp / "m.gguf", None, outtype="f32", progress=False)
+    from powerinfer.formats.gguf_file import open_gguf
+
+    names = [n for n in open_gguf(f32).tensors if n.endswith("ffn_up.weight")]
+    types = {n: QT.Q4_1 for n in names}
+    return retype(f32, tmp / "m-q4_1.gguf", types), retype(f32, tmp / "m-rt.gguf", types, round_trip=True), names
+
+
+@pytest.fixture
+def c_kernels():
+    saved = dict(kernels._state)
+    kernels.set_backend("c")
+    yield
+    kernels._state.update(saved)
+
+
+def test_type_without_kernel_is_dequantized_with_a_warning_when_it_fits(c_kernels, q4_1_file, caplog):
+    from powerinfer.formats.gguf_file import open_gguf
+    from powerinfer.runtime.model import Transformer
+
+    path, f32, names = q4_1_file
+    g = open_gguf(path)
+    n_ff, n_embd = (int(d) for d in reversed(g.tensors[names[0]].shape.tolist()))
+    with caplog.at_level(logging.WARNING, logger="powerinfer.runtime.weights"):
+        m = Transformer(g)
+    want_mib = len(names) * n_ff * n_embd * 4 / 2**20  # f32 copies of every ffn_up
+    msgs = [r.getMessage() for r in caplog.records if "Q4_1" in r.getMessage()]
+    assert len(msgs) == 1, msgs
+    assert f"{len(names)} Q4_1 tensors ({names[0]}, ...)" in msgs[0] and f"{want_mib:.1f} MiB" in msgs[0]
+    assert all(not isinstance(layer.ffn.up, QWeight) and layer.ffn.up.dtype == torch.float32 for layer in m.layers)
+    # it computes with the dequantized Q4_1 values: logits equal those of an f32 file holding them
+    from helpers import teacher_forced
+
+    ids = [1, 403, 407, 261, 378, 432, 383, 286]
+    ref = teacher_forced(Transformer(open_gguf(f32)), ids, 4)
+    assert (teacher_forced(m, ids, 4) - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+def test_type_without_kernel_is_refused_before_any_allocation_when_it_does_not_fit(c_kernels, q4_1_file,
+                                                                                    monkeypatch):
+    from powerinfer.formats.gguf_file import open_gguf
+    from powerinfer.runtime import model as model_mod, weights
+
+    path, _, names = q4_1_file
+    loads = []
+    monkeypatch.setattr(model_mod, "load_matrix", lambda *a, **k: loads.append(a) or weights.load_matrix(*a, **k))
+    monkeypatch.setattr(model_mod, "_available_memory", lambda: 1000)  # bytes: less than one copy
+    with pytest.raises(PowerInferError) as e:
+        model_mod.Transformer(open_gguf(path))
+    msg = str(e.value)
+    assert "\n" not in msg and str(path) in msg and f"tensor '{names[0]}' has type Q4_1" in msg
+    assert "no kernel" in msg and "1000" not in msg and "memory available" in msg
+    assert loads == []  # refused before the first tensor was loaded
+    # the same file with room for the copies loads (the limit, not the type, refused it)
+    monkeypatch.setattr(model_mod, "_available_memory", lambda: 1 << 40)
+    model_mod.Transformer(open_gguf(path))
+    assert loads
+
+
+def test_kernel_types_need_no_copy(c_kernels, q4_1_file):
+    from powerinfer.formats.gguf_file import open_gguf
+    from powerinfer.runtime.weights import check_dequantized
+
+    path, f32, names = q4_1_file
+    assert check_dequantized(open_gguf(f32), torch.float32, True, 0) == 0  # f32: nothing to dequantize
+    q4_0 = retype(f32, f32.with_name("m-q4_0.gguf"), {x: QT.Q4_0 for x in names})
+    assert check_dequantized(open_gguf(q4_0), torch.float32, True, 0) == 0  # a kernel type: no copy
+    g = open_gguf(path)
+    n = sum(int(np.prod(g.tensors[x].shape)) for x in names)
+    assert check_dequantized(g, torch.float32, True, None) == 4 * n
+    assert check_dequantized(g, torch.bfloat16, True, None) == 2 * n

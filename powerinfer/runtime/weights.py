@@ -42,7 +42,6 @@ from ..quant.types import FLOAT_TYPES
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 log = logging.getLogger(__name__)
-_WARNED: set[str] = set()  # quantized types already reported as dequantized at load
 _PAGE = mmap.PAGESIZE
 _HUGE = 2 << 20
 _NATIVE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -202,11 +201,72 @@ def is_quantized(g: GGUFFile) -> bool:
     return any(t.tensor_type.name not in FLOAT_TYPES for t in g.tensors.values())
 
 
+def _computed_in_place(kind: str, ndim: int, mapped: bool) -> bool:
+    """True when a tensor of GGML type ``kind`` stays in the file's bytes (a :class:`QWeight` the
+    C kernels compute on): ``mapped`` (the C backend), a 2-D matrix of one of :data:`MAPPED_TYPES`."""
+    return mapped and kind in MAPPED_TYPES and ndim == 2
+
+
+def _dequantizable(t) -> bool:
+    """True when ``gguf``'s numpy dequantizers read tensor ``t``'s type."""
+    from gguf import GGML_QUANT_SIZES, quants
+
+    try:
+        quants.dequantize(np.zeros(GGML_QUANT_SIZES[t.tensor_type][1], np.uint8), t.tensor_type)
+    except (NotImplementedError, KeyError, ValueError):
+        return False
+    return True
+
+
+def check_dequantized(g: GGUFFile, dtype: torch.dtype, mapped: bool, available: int | None) -> int:
+    """The one rule for block-quantized tensors the kernels do not compute on (a type without a C
+    kernel, or every quantized tensor with the torch backend: ``mapped`` False): they are dequantized
+    to ``dtype`` at load only if all those copies fit in ``available`` bytes (None: unknown, taken as
+    fitting); then, with the C kernels, a warning gives the copies' size. Else PowerInferError naming
+    the first such tensor and its type, before anything is allocated; also for a type ``gguf`` cannot
+    dequantize either. Returns the copies' bytes (0 when every quantized tensor has a kernel)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    copies: dict[str, list] = {}  # type -> [first tensor, count, bytes]
+    for name, t in g.tensors.items():
+        kind = t.tensor_type.name
+        if kind in FLOAT_TYPES or _computed_in_place(kind, len(t.shape), mapped):
+            continue
+        if not _dequantizable(t):
+            raise PowerInferError(f"{g.path}: tensor {name!r} has type {kind}, which neither the kernels nor "
+                                  "gguf's dequantizers read: not supported")
+        c = copies.setdefault(kind, [name, 0, 0])
+        c[1] += 1
+        c[2] += int(np.prod([int(d) for d in t.shape])) * size
+    total = sum(c[2] for c in copies.values())
+    if not copies:
+        return 0
+    dt = str(dtype).removeprefix("torch.")
+    kind, (first, count, _) = next(iter(copies.items()))
+    if available is not None and total > available:
+        why = "has no kernel here" if mapped else "is dequantized by the torch backend"
+        n = sum(c[1] for c in copies.values())
+        others = f" (with the {n - 1} other tensors without a kernel)" if n > 1 else ""
+        raise PowerInferError(f"{g.path}: tensor {first!r} has type {kind}, which {why}; its {dt} copy{others} "
+                              f"needs {_mib(total)}, more than the {_mib(available)} of memory available")
+    if mapped:
+        for kind, (first, count, nbytes) in copies.items():
+            log.warning("%s: %d %s tensors (%s, ...) have no kernel here: dequantized to %s at load, %s "
+                        "(the file holds them in %s)", g.path, count, kind, first, dt, _mib(nbytes),
+                        _mib(sum(int(g.tensors[n].n_bytes) for n, tt in g.tensors.items()
+                                 if tt.tensor_type.name == kind)))
+    return total
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
 def load_matrix(g: GGUFFile, name: str, dtype: torch.dtype, mapped: bool, dense_use: bool = False):
     """A 2-D weight: a :class:`QWeight` view of the map when ``mapped`` and its type is one the
     kernels compute on (:data:`MAPPED_TYPES`: block-quantized, f16, bf16), else
     :func:`load_tensor` in ``dtype`` (a view of the map when the file stores ``dtype``: f32,
-    or bf16 computed in bf16 on a CPU with bf16 dot products).
+    or bf16 computed in bf16 on a CPU with bf16 dot products; a dequantized copy for a quantized
+    type without a kernel, which :func:`check_dequantized` allowed before the load began).
 
     ``dense_use``: the matrix is only used in dense products (never by rows), so a Q4_0 one
     is re-laid out in 8-row groups (``kernels.for_dense_products``; a copy in anonymous
@@ -218,12 +278,8 @@ def load_matrix(g: GGUFFile, name: str, dtype: torch.dtype, mapped: bool, dense_
     t = _tensor(g, name)
     kind = t.tensor_type.name
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-    if not mapped or kind not in MAPPED_TYPES or len(shape) != 2 or _NATIVE.get(kind) == dtype:
-        if mapped and kind not in FLOAT_TYPES and kind not in _WARNED:
-            _WARNED.add(kind)
-            log.warning("%s: %s tensors (%s, ...) have no kernel here: dequantized to %s at load, which "
-                        "takes more memory than the file", g.path, kind, name, str(dtype).removeprefix("torch."))
-        return load_tensor(g, name, dtype)
+    if not _computed_in_place(kind, len(shape), mapped) or _NATIVE.get(kind) == dtype:
+        return load_tensor(g, name, dtype)  # a quantized one: allowed by check_dequantized
     bt = MAPPED_TYPES[kind]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only map; weights are never written
