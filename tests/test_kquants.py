@@ -279,3 +279,54 @@ def test_kernel_types_need_no_copy(c_kernels, q4_1_file):
     n = sum(int(np.prod(g.tensors[x].shape)) for x in names)
     assert check_dequantized(g, torch.float32, True, None) == 4 * n
     assert check_dequantized(g, torch.bfloat16, True, None) == 2 * n
+
+
+# ---------------------------------------------------------------------------- 8-row groups
+@pytest.mark.parametrize("name", K_TYPES)
+def test_x8_layout_round_trips_the_bytes(name):
+    w = make(name, 24, 512, 8)
+    x8 = w.to_x8()
+    assert x8.layout == "x8" and x8.nbytes == w.nbytes and not torch.equal(x8.raw, w.raw)
+    assert np.array_equal(x8._rows_raw(), w.raw.numpy())
+    assert torch.equal(x8.dequantize(), w.dequantize())
+    assert kernels.for_dense_products(w).layout == ("x8" if kernels.backend() == "c" else "rows")
+    assert not make(name, 12, 256).can_x8()  # not a multiple of 8 rows: stays in rows
+
+
+@pytest.mark.parametrize("name", K_TYPES)
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 7])
+def test_x8_products_equal_reference_and_row_layout(lib, threads, name, T):
+    n, k = shape(name, True)
+    w = make(name, n - n % 8, k, 10 + T)
+    x8 = w.to_x8()
+    x = torch.randn(T, k) * torch.linspace(0.1, 3, k)  # blocks of different scales
+    y = kernels.linear(x, x8)
+    close(y, ref_dense(w, x))
+    rows = kernels.linear(x, w)
+    assert (y - rows).abs().max().item() <= 1e-5 * rows.abs().max().item()
+    for t in range(T):  # a token's numbers do not depend on the others in the call
+        assert torch.equal(kernels.linear(x[t:t + 1], x8)[0], y[t])
+
+
+def test_x8_q6_k_takes_extreme_quants_and_scales(lib):
+    """Every 6-bit quant 0 or 63 and scales -128/127 against activations of one sign: the int16
+    sums run at their bounds (an overflow would show)."""
+    n, k = 16, 512
+    w = make("Q6_K", n, k, 11)
+    raw = w.raw.numpy().reshape(n, -1, 210)
+    raw[:8, :, :192] = 0xFF  # q = 63 everywhere
+    raw[8:, :, :192] = 0x00  # q = 0 (value -32)
+    raw[:, :, 192:208] = np.array([0x80, 0x7F] * 8, np.uint8)  # scales -128, 127
+    x = torch.rand(2, k) + 1.0
+    close(kernels.linear(x, w.to_x8()), ref_dense(w, x))
+    close(kernels.linear(-x, w.to_x8()), ref_dense(w, -x))
+
+
+def test_x8_q5_k_takes_extreme_quants(lib):
+    n, k = 8, 512
+    w = make("Q5_K", n, k, 12)
+    raw = w.raw.numpy().reshape(n, -1, 176)
+    raw[:, :, 16:] = 0xFF  # q = 31 everywhere
+    x = torch.rand(1, k) + 1.0
+    close(kernels.linear(x, w.to_x8()), ref_dense(w, x))
+    close(kernels.linear(-x, w.to_x8()), ref_dense(w, -x))

@@ -1162,8 +1162,212 @@ static void x8_range(int qt, const uint8_t *W, int64_t nb, int64_t N, acts_t a, 
     else x8_range_t(QT_Q8_0, W, nb, N, a, T, y, g0, g1);
 }
 
-/* y [T, N] = x [T, K] @ W.T for an x8 Q4_0/Q8_0 matrix W (N a multiple of 8). */
+/* ------------------------------------------------------------------ 8-row groups of K-quants
+ * Q4_K, Q5_K and Q6_K dense matrices re-laid out at load in groups of 8 rows ("x8", same bytes
+ * per row): for group g and super-block s, 8 * bb bytes at (g * nsb + s) * 8 * bb hold the first
+ * 4 * (bb / 4) bytes of each row's block as chunks of 32 bytes (chunk c: bytes 4c..4c+3 of row i
+ * at offset 4i), then the bb % 4 remaining bytes of each row (Q6_K's fp16 d), row after row.
+ * Lane i of a chunk is row i, so each product sums 8 rows at once in the 8 int32 lanes against
+ * 4 broadcast activation bytes (no horizontal sums), as the Q4_0/Q8_0 x8 kernel does.
+ * Q4_K/Q5_K chunks: 0 (d, dmin), 1-3 (the packed 6-bit scales and mins), Q5_K 4-11 (qh), then
+ * 32 of qs. Q6_K chunks: 0-31 ql, 32-47 qh, 48-51 the int8 scales, then the 8 d.
+ * Per row the super-block's sums are those of dot_q4_K/_q5_K/_q6_K (exact integer sums per 32
+ * values, the same scales), summed in another float order: equal within float32 rounding. */
+
+/* reference: row i of an x8 K-quant block (8 * bb bytes) back into ggml's block bytes */
+static inline void x8k_row(int qt, const uint8_t *blk, int i, uint8_t *out) {
+    const int64_t bb = block_bytes(qt), nc = bb / 4, tail = bb % 4;
+    for (int64_t c = 0; c < nc; c++) memcpy(out + 4 * c, blk + 32 * c + 4 * i, 4);
+    if (tail) memcpy(out + 4 * nc, blk + 32 * nc + tail * i, (size_t)tail);
+}
+
+#ifdef PI_AVX2
+/* 8 fp16 in the low (hi = 0) or high (hi = 1) halves of 8 int32 lanes -> 8 fp32 */
+static inline __m256 halves8(__m256i v, const int hi) {
+    const __m256i h = hi ? _mm256_srli_epi32(v, 16) : _mm256_and_si256(v, _mm256_set1_epi32(0xffff));
+    const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(p));
+}
+
+/* rn (1..4) tokens from t0 against one group of 8 Q4_K (h5 0) or Q5_K (h5 1) rows: out [rn][8].
+ * xm[t * nb + q]: token t's q8 block q scale times the sum of its values (the mins' factor). */
+static inline __attribute__((always_inline)) void x8k45_tile(const uint8_t *base, int64_t nsb, acts_t a,
+                                                             const float *xm, int64_t nb, int64_t t0, const int rn,
+                                                             const int h5, float *out) {
+    const int64_t gb = 8 * (h5 ? 176 : 144);
+    const __m256i m4 = _mm256_set1_epi8(0x0f), one8 = _mm256_set1_epi8(1), ones = _mm256_set1_epi16(1);
+    const __m256i m6 = _mm256_set1_epi32(0x3f3f3f3f), m2 = _mm256_set1_epi32(0x03030303), b4 = _mm256_set1_epi32(0x0f0f0f0f);
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = base + sb * gb;
+        for (int64_t o = 0; o < gb; o += 64) __builtin_prefetch(blk + X8_AHEAD + o, 0, 3);
+        const __m256i dd = _mm256_loadu_si256((const __m256i *)blk);
+        const __m256 d8 = halves8(dd, 0), dm8 = halves8(dd, 1);
+        const __m256i u0 = _mm256_loadu_si256((const __m256i *)(blk + 32)), u1 = _mm256_loadu_si256((const __m256i *)(blk + 64)),
+                      u2 = _mm256_loadu_si256((const __m256i *)(blk + 96));
+        /* lane i: row i's scales (mins) of sub-blocks 0-3 and 4-7, one per byte */
+        const __m256i slo = _mm256_and_si256(u0, m6), mlo = _mm256_and_si256(u1, m6);
+        const __m256i shi = _mm256_or_si256(_mm256_and_si256(u2, b4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), m2), 4));
+        const __m256i mhi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), b4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), m2), 4));
+        const uint8_t *qs = blk + 32 * (h5 ? 12 : 4), *qh = blk + 128;
+        for (int k = 0; k < 8; k++) {
+            const int c = k / 2, h = k % 2;
+            const __m256i sv = k < 4 ? slo : shi, mv = k < 4 ? mlo : mhi;
+            const __m256i s_k = _mm256_and_si256(_mm256_srli_epi32(sv, 8 * (k % 4)), _mm256_set1_epi32(0xff));
+            const __m256i m_k = _mm256_and_si256(_mm256_srli_epi32(mv, 8 * (k % 4)), _mm256_set1_epi32(0xff));
+            const __m256 sd = _mm256_mul_ps(_mm256_cvtepi32_ps(s_k), d8), md = _mm256_mul_ps(_mm256_cvtepi32_ps(m_k), dm8);
+            __m256i w[8];
+            for (int jj = 0; jj < 8; jj++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * (8 * c + jj)));
+                w[jj] = h ? _mm256_and_si256(_mm256_srli_epi16(v, 4), m4) : _mm256_and_si256(v, m4);
+                if (h5) {
+                    const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * jj));
+                    w[jj] = _mm256_or_si256(w[jj], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, k), one8), 4));
+                }
+            }
+#pragma GCC unroll 4
+            for (int j = 0; j < rn; j++) {
+                const int64_t xb = (t0 + j) * nb + sb * 8 + k;  /* the token's q8 block */
+                const int8_t *xq = a.q + xb * QK;
+                __m256i s32;
+                if (h5) {  /* 5-bit q: four pairs of products fit int16, eight may not */
+                    __m256i p = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(ld32(xq)));
+                    for (int jj = 1; jj < 4; jj++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[jj], _mm256_set1_epi32(ld32(xq + 4 * jj))));
+                    __m256i q = _mm256_maddubs_epi16(w[4], _mm256_set1_epi32(ld32(xq + 16)));
+                    for (int jj = 5; jj < 8; jj++) q = _mm256_add_epi16(q, _mm256_maddubs_epi16(w[jj], _mm256_set1_epi32(ld32(xq + 4 * jj))));
+                    s32 = _mm256_add_epi32(_mm256_madd_epi16(p, ones), _mm256_madd_epi16(q, ones));
+                } else {  /* 4-bit q: |eight pairs| <= 8 * 2 * 15 * 127 = 30480 */
+                    __m256i p = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(ld32(xq)));
+                    for (int jj = 1; jj < 8; jj++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[jj], _mm256_set1_epi32(ld32(xq + 4 * jj))));
+                    s32 = _mm256_madd_epi16(p, ones);
+                }
+                acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s32), sd), _mm256_set1_ps(a.d[xb]), acc[j]);
+                acc[j] = _mm256_fnmadd_ps(md, _mm256_set1_ps(xm[xb]), acc[j]);
+            }
+        }
+    }
+    for (int j = 0; j < rn; j++) _mm256_storeu_ps(out + 8 * j, acc[j]);
+}
+
+/* the same for Q6_K: q 0..63 (offset 32), an int8 scale per 16 values */
+static inline __attribute__((always_inline)) void x8k6_tile(const uint8_t *base, int64_t nsb, acts_t a, int64_t nb,
+                                                            int64_t t0, const int rn, float *out) {
+    const int64_t gb = 8 * 210;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m3 = _mm256_set1_epi8(0x03), lo16 = _mm256_set1_epi32(0xffff);
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = base + sb * gb;
+        for (int64_t o = 0; o < gb; o += 64) __builtin_prefetch(blk + X8_AHEAD + o, 0, 3);
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 * 52)));
+        for (int k = 0; k < 8; k++) {
+            const int n = k / 4, b = k % 4;  /* half, and block within the half */
+            /* the two groups' scales, sign-extended: lane i = row i */
+            const __m256i sc = _mm256_loadu_si256((const __m256i *)(blk + 32 * (48 + k / 2)));
+            const int e = 2 * (k % 2);  /* byte of group 2k in its chunk */
+            const __m256i sa = _mm256_srai_epi32(_mm256_slli_epi32(sc, 24 - 8 * e), 24);
+            const __m256i sb2 = _mm256_srai_epi32(_mm256_slli_epi32(sc, 16 - 8 * e), 24);
+            const __m256i pa = _mm256_or_si256(_mm256_and_si256(sa, lo16), _mm256_slli_epi32(sa, 16));  /* (s, s) */
+            const __m256i pb = _mm256_or_si256(_mm256_and_si256(sb2, lo16), _mm256_slli_epi32(sb2, 16));
+            const __m256i pab = _mm256_or_si256(_mm256_and_si256(sa, lo16), _mm256_slli_epi32(sb2, 16));  /* (s_a, s_b) */
+            const __m256 dk = d8;
+            __m256i w[8];
+            for (int jj = 0; jj < 8; jj++) {
+                const __m256i l = _mm256_loadu_si256((const __m256i *)(blk + 32 * (16 * n + 8 * (b % 2) + jj)));
+                const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 32 * (32 + 8 * n + jj)));
+                const __m256i low = b < 2 ? _mm256_and_si256(l, m4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
+                w[jj] = _mm256_or_si256(low, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * b), m3), 4));
+            }
+#pragma GCC unroll 4
+            for (int j = 0; j < rn; j++) {
+                const int64_t xb = (t0 + j) * nb + sb * 8 + k;
+                const int8_t *xq = a.q + xb * QK;
+                __m256i p[4];
+                for (int q = 0; q < 4; q++)  /* |two pairs| <= 2 * 2 * 63 * 127 = 32004 */
+                    p[q] = _mm256_add_epi16(_mm256_maddubs_epi16(w[2 * q], _mm256_set1_epi32(ld32(xq + 8 * q))),
+                                            _mm256_maddubs_epi16(w[2 * q + 1], _mm256_set1_epi32(ld32(xq + 8 * q + 4))));
+                __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p[0], pa), _mm256_madd_epi16(p[1], pa)),
+                                               _mm256_add_epi32(_mm256_madd_epi16(p[2], pb), _mm256_madd_epi16(p[3], pb)));
+                const uint32_t xs2 = ((uint32_t)a.s[2 * xb] & 0xffffu) | ((uint32_t)a.s[2 * xb + 1] << 16);
+                s32 = _mm256_sub_epi32(s32, _mm256_slli_epi32(_mm256_madd_epi16(pab, _mm256_set1_epi32((int)xs2)), 5));
+                acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s32), dk), _mm256_set1_ps(a.d[xb]), acc[j]);
+            }
+        }
+    }
+    for (int j = 0; j < rn; j++) _mm256_storeu_ps(out + 8 * j, acc[j]);
+}
+#endif
+
+/* groups [g0, g1) of y [T, N] for an x8 K-quant matrix (called with a constant qt): each group of
+ * 8 rows takes every tile of 4 tokens while its bytes are in cache; a token's numbers do not
+ * depend on the others in the call (each tile sums its blocks in order 0..nsb-1). */
+static inline __attribute__((always_inline)) void x8k_range_t(int qt, const uint8_t *W, int64_t K, int64_t N,
+                                                              acts_t a, const float *xm, int64_t T, float *y,
+                                                              int64_t g0, int64_t g1) {
+    const int64_t nsb = K / QKK, nb = K / QK, gb = 8 * block_bytes(qt);
+    for (int64_t g = g0; g < g1; g++) {
+        const uint8_t *base = W + g * nsb * gb;
+        for (int64_t t0 = 0; t0 < T; t0 += 4) {
+            const int rn = T - t0 >= 4 ? 4 : (int)(T - t0);
+            float acc[4][8];
+#ifdef PI_AVX2
+#define X8K_TILE(R) (qt == QT_Q6_K ? x8k6_tile(base, nsb, a, nb, t0, R, acc[0]) \
+                     : x8k45_tile(base, nsb, a, xm, nb, t0, R, qt == QT_Q5_K, acc[0]))
+            if (rn == 4) X8K_TILE(4);
+            else if (rn == 3) X8K_TILE(3);
+            else if (rn == 2) X8K_TILE(2);
+            else X8K_TILE(1);
+#undef X8K_TILE
+#else
+            (void)xm;
+            uint8_t row[210];
+            for (int i = 0; i < 8; i++) {
+                for (int j = 0; j < rn; j++) acc[j][i] = 0.f;
+                for (int64_t sb = 0; sb < nsb; sb++) {
+                    x8k_row(qt, base + sb * gb, i, row);
+                    for (int j = 0; j < rn; j++) {
+                        act_t x1 = {NULL, a.q + (t0 + j) * K + sb * QKK, a.d + (t0 + j) * nb + sb * 8,
+                                    a.s + (t0 + j) * (K / 16) + sb * 16};
+                        acc[j][i] += row_dot(qt, row, x1, QKK);
+                    }
+                }
+            }
+#endif
+            for (int j = 0; j < rn; j++)
+                for (int i = 0; i < 8; i++) y[(t0 + j) * N + 8 * g + i] = acc[j][i];
+        }
+    }
+}
+
+static void x8k_range(int qt, const uint8_t *W, int64_t K, int64_t N, acts_t a, const float *xm, int64_t T,
+                      float *y, int64_t g0, int64_t g1) {
+    if (qt == QT_Q4_K) x8k_range_t(QT_Q4_K, W, K, N, a, xm, T, y, g0, g1);
+    else if (qt == QT_Q5_K) x8k_range_t(QT_Q5_K, W, K, N, a, xm, T, y, g0, g1);
+    else x8k_range_t(QT_Q6_K, W, K, N, a, xm, T, y, g0, g1);
+}
+
+/* y [T, N] = x [T, K] @ W.T for an x8 Q4_K/Q5_K/Q6_K matrix W (N a multiple of 8) */
+static void x8k_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x, int64_t T, float *y) {
+    const int64_t nb = K / QK, G = N / 8;
+    const acts_t acts = prepare(qt, x, T, K);
+    float *xm = malloc((size_t)(T * nb + 1) * sizeof(float));  /* dx * sum(qx) per q8 block (the mins) */
+    for (int64_t i = 0; i < T * nb; i++) xm[i] = acts.d[i] * (float)(acts.s[2 * i] + acts.s[2 * i + 1]);
+    const int par = G * (K / QKK) * 8 * block_bytes(qt) >= PAR_MIN_BYTES && omp_get_max_threads() > 1;
+    #pragma omp parallel if (par)
+    {
+        int64_t g0, g1;
+        split(G, omp_get_num_threads(), omp_get_thread_num(), &g0, &g1);
+        x8k_range(qt, (const uint8_t *)W, K, N, acts, xm, T, y, g0, g1);
+    }
+    free(xm);
+    release(acts);
+}
+
+/* y [T, N] = x [T, K] @ W.T for an x8 Q4_0/Q8_0 (or Q4_K/Q5_K/Q6_K: x8k_gemm) matrix W (N a multiple of 8). */
 void pi_x8_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x, int64_t T, float *y) {
+    if (is_k(qt)) {
+        x8k_gemm(qt, W, N, K, x, T, y);
+        return;
+    }
     const int64_t nb = K / QK, G = N / 8;
     const acts_t acts = prepare(qt, x, T, K);
     const int par = G * nb * 8 * block_bytes(qt) >= PAR_MIN_BYTES && omp_get_max_threads() > 1;
