@@ -282,18 +282,19 @@ def test_kernel_types_need_no_copy(c_kernels, q4_1_file):
 
 
 # ---------------------------------------------------------------------------- 8-row groups
-@pytest.mark.parametrize("name", K_TYPES)
+@pytest.mark.parametrize("name", ALL)
 def test_x8_layout_round_trips_the_bytes(name):
-    w = make(name, 24, 512, 8)
+    w = make(name, 24, shape(name, False)[1], 8)
     x8 = w.to_x8()
     assert x8.layout == "x8" and x8.nbytes == w.nbytes and not torch.equal(x8.raw, w.raw)
     assert np.array_equal(x8._rows_raw(), w.raw.numpy())
     assert torch.equal(x8.dequantize(), w.dequantize())
     assert kernels.for_dense_products(w).layout == ("x8" if kernels.backend() == "c" else "rows")
     assert not make(name, 12, 256).can_x8()  # not a multiple of 8 rows: stays in rows
+    assert torch.equal(kernels.dequant_rows(x8, 3, 20), w.dequantize()[3:20])
 
 
-@pytest.mark.parametrize("name", K_TYPES)
+@pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("T", [1, 2, 3, 4, 7])
 def test_x8_products_equal_reference_and_row_layout(lib, threads, name, T):
     n, k = shape(name, True)
@@ -322,11 +323,12 @@ def test_x8_q6_k_takes_extreme_quants_and_scales(lib):
     close(kernels.linear(-x, w.to_x8()), ref_dense(w, -x))
 
 
-def test_x8_q5_k_takes_extreme_quants(lib):
+@pytest.mark.parametrize("name", ["Q5_K", "Q5_0", "Q5_1"])
+def test_x8_5_bit_types_take_extreme_quants(lib, name):
     n, k = 8, 512
-    w = make("Q5_K", n, k, 12)
-    raw = w.raw.numpy().reshape(n, -1, 176)
-    raw[:, :, 16:] = 0xFF  # q = 31 everywhere
+    w = make(name, n, k, 12)
+    raw = w.raw.numpy().reshape(n, -1, w.btype.nbytes)
+    raw[:, :, {"Q5_K": 16, "Q5_0": 2, "Q5_1": 4}[name]:] = 0xFF  # q = 31 everywhere
     x = torch.rand(1, k) + 1.0
     close(kernels.linear(x, w.to_x8()), ref_dense(w, x))
     close(kernels.linear(-x, w.to_x8()), ref_dense(w, -x))

@@ -6,7 +6,7 @@ the GGUF memory map, so a quantized model is resident at its file size. The runt
 kernels (``powerinfer.runtime.kernels``) compute on it directly; :meth:`dequantize`
 is the reference (``gguf``'s numpy dequantizers) for tests and the torch backend.
 
-``layout`` is ``rows`` (the file's row-major blocks) or ``x8``: a Q4_0/Q8_0/Q4_K/Q5_K/Q6_K matrix
+``layout`` is ``rows`` (the file's row-major blocks) or ``x8``: a Q4_0/Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K matrix
 re-laid out in groups of 8 rows for dense products (:meth:`QWeight.to_x8`; same size, see
 ``qkernels.c``), which cannot be sliced by row.
 
@@ -107,7 +107,7 @@ class QWeight:
         return None
 
     # ------------------------------------------------------------ 8-row groups
-    X8_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+    X8_TYPES = ("Q4_0", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
     def can_x8(self) -> bool:
         return (self.btype.name in self.X8_TYPES and self.layout == "rows" and self.n_rows % 8 == 0
@@ -115,20 +115,19 @@ class QWeight:
 
     def _x8_parts(self) -> tuple[int, int, int]:
         """(bytes before the chunks, bytes in 4-byte chunks, bytes after them) of one block in ``x8``:
-        Q4_0/Q8_0 put their fp16 scale first; the K-quants chunk from byte 0 (Q6_K's last 2 bytes,
-        its fp16 d, after the chunks)."""
-        bb = self.btype.nbytes
-        if self.btype.name in ("Q4_0", "Q8_0"):
-            return 2, bb - 2, 0
-        return 0, bb // 4 * 4, bb % 4
+        Q4_0/Q8_0/Q5_0 put their fp16 scale first (Q5_1 its scale and min); the K-quants chunk from
+        byte 0 (Q6_K's last 2 bytes, its fp16 d, after the chunks)."""
+        bb, head = self.btype.nbytes, {"Q4_0": 2, "Q8_0": 2, "Q5_0": 2, "Q5_1": 4}.get(self.btype.name, 0)
+        return head, (bb - head) // 4 * 4, (bb - head) % 4
 
     def to_x8(self, out: torch.Tensor | None = None) -> "QWeight":
-        """This Q4_0/Q8_0/Q4_K/Q5_K/Q6_K matrix in the ``x8`` layout (into ``out``, uint8 of the same
+        """This Q4_0/Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K matrix in the ``x8`` layout (into ``out``, uint8 of the same
         shape, if given): same bytes, grouped for kernels that compute 8 rows at once.
 
         Group ``g`` of 8 rows, block ``b``: the 8 rows' leading bytes (Q4_0/Q8_0: their fp16
         scales), row after row; then for each 4-byte chunk ``c`` of the block's middle (Q4_0: its
-        16 nibble bytes; Q8_0: its 32 quants; Q4_K/Q5_K: the whole block; Q6_K: all but its fp16 d)
+        16 nibble bytes; Q8_0: its 32 quants; Q5_0/Q5_1: qh and the nibbles; Q4_K/Q5_K: the whole block;
+        Q6_K: all but its fp16 d)
         the bytes ``4c..4c+3`` of each row, row after row; then the 8 rows' trailing bytes
         (Q6_K's d). ``qkernels.c`` (x8 sections) reads it.
         """

@@ -183,8 +183,8 @@ def _q_c_ok(w: QWeight) -> bool:
 
 
 def for_dense_products(w, alloc=None):
-    """``w`` laid out for dense products when that is faster: an untransposed Q4_0/Q8_0/Q4_K/Q5_K/Q6_K
-    QWeight with a multiple of 8 rows goes to the ``x8`` layout (C backend only; ``alloc(shape,
+    """``w`` laid out for dense products when that is faster: an untransposed Q4_0/Q8_0/Q5_0/Q5_1/Q4_K/
+    Q5_K/Q6_K QWeight with a multiple of 8 rows goes to the ``x8`` layout (C backend only; ``alloc(shape,
     dtype)`` gives its memory); anything else is returned as it is."""
     if isinstance(w, QWeight) and w.can_x8() and backend() == "c":
         return w.to_x8(None if alloc is None else alloc(tuple(w.raw.shape), torch.uint8))

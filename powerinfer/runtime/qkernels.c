@@ -94,9 +94,9 @@ static int64_t block_bytes(int qt) {
 static inline int64_t row_bytes(int qt, int64_t K) { return K / block_values(qt) * block_bytes(qt); }
 static inline int is_q0(int qt) { return qt == QT_Q4_0 || qt == QT_Q8_0; }
 static inline int is_q5(int qt) { return qt == QT_Q5_0 || qt == QT_Q5_1; }
-/* types whose products quantize the activation to q8 blocks (K-quants and Q5_1 also need its 16-sums) */
+/* types whose products quantize the activation to q8 blocks (K-quants and Q5_0/Q5_1 also need its 16-sums) */
 static inline int uses_q8(int qt) { return is_q0(qt) || is_k(qt) || is_q5(qt); }
-static inline int needs_sums(int qt) { return is_k(qt) || qt == QT_Q5_1; }
+static inline int needs_sums(int qt) { return is_k(qt) || is_q5(qt); }
 
 #ifdef PI_AVX2
 static inline float hsum8(__m256 v) {
@@ -763,6 +763,7 @@ void pi_q_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x, int6
 #endif
         for (int64_t r = r0; r < r1; r++) {
             const uint8_t *row = (const uint8_t *)W + r * rb;
+            if (r + 1 < r1) prefetch_row(row + rb, rb);  /* the next row (Q5_0 rows: 0.4 -> x GB/s) */
             for (int64_t t = 0; t < T; t++) y[t * N + r] = row_dot(qt, row, act_of(x, acts, t, K), K);
         }
     }
@@ -1174,11 +1175,13 @@ static void x8_range(int qt, const uint8_t *W, int64_t nb, int64_t N, acts_t a, 
  * Per row the super-block's sums are those of dot_q4_K/_q5_K/_q6_K (exact integer sums per 32
  * values, the same scales), summed in another float order: equal within float32 rounding. */
 
-/* reference: row i of an x8 K-quant block (8 * bb bytes) back into ggml's block bytes */
-static inline void x8k_row(int qt, const uint8_t *blk, int i, uint8_t *out) {
-    const int64_t bb = block_bytes(qt), nc = bb / 4, tail = bb % 4;
-    for (int64_t c = 0; c < nc; c++) memcpy(out + 4 * c, blk + 32 * c + 4 * i, 4);
-    if (tail) memcpy(out + 4 * nc, blk + 32 * nc + tail * i, (size_t)tail);
+/* row i of an x8 block of type qt (head: the leading bytes per row) back into ggml's block bytes */
+static inline void x8_row_bytes(int qt, const uint8_t *blk, int i, uint8_t *out) {
+    const int64_t head = qt == QT_Q5_0 ? 2 : qt == QT_Q5_1 ? 4 : 0, bb = block_bytes(qt);
+    const int64_t nc = (bb - head) / 4, tail = (bb - head) % 4;
+    memcpy(out, blk + head * i, (size_t)head);
+    for (int64_t c = 0; c < nc; c++) memcpy(out + head + 4 * c, blk + 8 * head + 32 * c + 4 * i, 4);
+    if (tail) memcpy(out + head + 4 * nc, blk + 8 * head + 32 * nc + tail * i, (size_t)tail);
 }
 
 #ifdef PI_AVX2
@@ -1330,7 +1333,7 @@ static inline __attribute__((always_inline)) void x8k_range_t(int qt, const uint
             for (int i = 0; i < 8; i++) {
                 for (int j = 0; j < rn; j++) acc[j][i] = 0.f;
                 for (int64_t sb = 0; sb < nsb; sb++) {
-                    x8k_row(qt, base + sb * gb, i, row);
+                    x8_row_bytes(qt, base + sb * gb, i, row);
                     for (int j = 0; j < rn; j++) {
                         act_t x1 = {NULL, a.q + (t0 + j) * K + sb * QKK, a.d + (t0 + j) * nb + sb * 8,
                                     a.s + (t0 + j) * (K / 16) + sb * 16};
@@ -1369,10 +1372,128 @@ static void x8k_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x
     release(acts);
 }
 
-/* y [T, N] = x [T, K] @ W.T for an x8 Q4_0/Q8_0 (or Q4_K/Q5_K/Q6_K: x8k_gemm) matrix W (N a multiple of 8). */
+/* ------------------------------------------------------------------ 8-row groups of Q5_0 / Q5_1
+ * x8 as for the K-quants with the rows' fp16 d (Q5_1: d and m, 4 bytes) first: for group g and
+ * block b, 8 * bb bytes hold the 8 rows' leading 2 (4) bytes, row after row, then 5 chunks of 32
+ * bytes: chunk 0 the rows' 32-bit qh (lane i = row i), chunk 1 + c bytes 4c..4c+3 of each row's
+ * nibbles (values 4c..4c+3 low, 16 + 4c.. high; their 5th bits are bits 4c.. and 16 + 4c.. of qh).
+ * Per row the block sums are dot_q5's integers, scaled and summed in the same order. */
+
+#ifdef PI_AVX2
+/* 0x10 in byte e of lane i where bit (hi ? 16 : 0) + 4c + e of row i's qh is set */
+static inline __m256i q5x8_bits(__m256i qh, const int c, const int hi) {
+    const int bi = (hi ? 2 : 0) + c / 2, sh = 4 * (c % 2);
+    const __m256i ctrl = _mm256_add_epi8(_mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
+                                                          0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12),
+                                         _mm256_set1_epi8((char)bi));
+    const __m256i mask = _mm256_set1_epi32((int)(0x08040201u << sh));
+    const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(qh, ctrl), mask);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, mask), _mm256_set1_epi8(0x10));
+}
+
+static inline __attribute__((always_inline)) void x8q5_tile(const uint8_t *base, int64_t nb, acts_t a,
+                                                            const float *xm, int64_t t0, const int rn, const int q51,
+                                                            float *out) {
+    const int64_t head = q51 ? 4 : 2, gb = 8 * (q51 ? 24 : 22);
+    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = base + b * gb;
+        for (int64_t o = 0; o < gb; o += 64) __builtin_prefetch(blk + X8_AHEAD + o, 0, 3);
+        __m256 d8, m8 = _mm256_setzero_ps();
+        if (q51) {
+            const __m256i dm = _mm256_loadu_si256((const __m256i *)blk);
+            d8 = halves8(dm, 0);
+            m8 = halves8(dm, 1);
+        } else {
+            d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        }
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 8 * head));
+        __m256i w[8];
+        for (int c = 0; c < 4; c++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 8 * head + 32 * (1 + c)));
+            w[c] = _mm256_or_si256(_mm256_and_si256(raw, m4), q5x8_bits(qh, c, 0));
+            w[4 + c] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), q5x8_bits(qh, c, 1));
+        }
+#pragma GCC unroll 4
+        for (int j = 0; j < rn; j++) {
+            const int64_t xb = (t0 + j) * nb + b;
+            const int8_t *xq = a.q + xb * QK;
+            __m256i p = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(ld32(xq)));  /* |four pairs| <= 31496 */
+            __m256i q = _mm256_maddubs_epi16(w[4], _mm256_set1_epi32(ld32(xq + 16)));
+            for (int c = 1; c < 4; c++) {
+                p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[c], _mm256_set1_epi32(ld32(xq + 4 * c))));
+                q = _mm256_add_epi16(q, _mm256_maddubs_epi16(w[4 + c], _mm256_set1_epi32(ld32(xq + 16 + 4 * c))));
+            }
+            __m256i s32 = _mm256_add_epi32(_mm256_madd_epi16(p, ones), _mm256_madd_epi16(q, ones));
+            if (!q51) s32 = _mm256_sub_epi32(s32, _mm256_set1_epi32(16 * (a.s[2 * xb] + a.s[2 * xb + 1])));
+            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s32), d8), _mm256_set1_ps(a.d[xb]), acc[j]);
+            if (q51) acc[j] = _mm256_fmadd_ps(m8, _mm256_set1_ps(xm[xb]), acc[j]);
+        }
+    }
+    for (int j = 0; j < rn; j++) _mm256_storeu_ps(out + 8 * j, acc[j]);
+}
+#endif
+
+static inline __attribute__((always_inline)) void x8q5_range_t(int qt, const uint8_t *W, int64_t K, int64_t N,
+                                                               acts_t a, const float *xm, int64_t T, float *y,
+                                                               int64_t g0, int64_t g1) {
+    const int64_t nb = K / QK, gb = 8 * block_bytes(qt);
+    for (int64_t g = g0; g < g1; g++) {
+        const uint8_t *base = W + g * nb * gb;
+        for (int64_t t0 = 0; t0 < T; t0 += 4) {
+            const int rn = T - t0 >= 4 ? 4 : (int)(T - t0);
+            float acc[4][8];
+#ifdef PI_AVX2
+            const int q51 = qt == QT_Q5_1;
+            if (rn == 4) x8q5_tile(base, nb, a, xm, t0, 4, q51, acc[0]);
+            else if (rn == 3) x8q5_tile(base, nb, a, xm, t0, 3, q51, acc[0]);
+            else if (rn == 2) x8q5_tile(base, nb, a, xm, t0, 2, q51, acc[0]);
+            else x8q5_tile(base, nb, a, xm, t0, 1, q51, acc[0]);
+#else
+            (void)xm;
+            uint8_t row[24];
+            for (int i = 0; i < 8; i++)
+                for (int j = 0; j < rn; j++) {
+                    float s = 0.f;
+                    for (int64_t b = 0; b < nb; b++) {
+                        x8_row_bytes(qt, base + b * gb, i, row);
+                        const int64_t xb = (t0 + j) * nb + b;
+                        act_t x1 = {NULL, a.q + xb * QK, a.d + xb, a.s + 2 * xb};
+                        s += row_dot(qt, row, x1, QK);
+                    }
+                    acc[j][i] = s;
+                }
+#endif
+            for (int j = 0; j < rn; j++)
+                for (int i = 0; i < 8; i++) y[(t0 + j) * N + 8 * g + i] = acc[j][i];
+        }
+    }
+}
+
+/* y [T, N] = x [T, K] @ W.T for an x8 Q5_0/Q5_1 matrix W (N a multiple of 8) */
+static void x8q5_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x, int64_t T, float *y) {
+    const int64_t nb = K / QK, G = N / 8;
+    const acts_t acts = prepare(qt, x, T, K);
+    float *xm = malloc((size_t)(T * nb + 1) * sizeof(float));  /* dx * sum(qx) per q8 block (Q5_1's m) */
+    for (int64_t i = 0; i < T * nb; i++) xm[i] = acts.d[i] * (float)(acts.s[2 * i] + acts.s[2 * i + 1]);
+    const int par = G * nb * 8 * block_bytes(qt) >= PAR_MIN_BYTES && omp_get_max_threads() > 1;
+    #pragma omp parallel if (par)
+    {
+        int64_t g0, g1;
+        split(G, omp_get_num_threads(), omp_get_thread_num(), &g0, &g1);
+        if (qt == QT_Q5_0) x8q5_range_t(QT_Q5_0, (const uint8_t *)W, K, N, acts, xm, T, y, g0, g1);
+        else x8q5_range_t(QT_Q5_1, (const uint8_t *)W, K, N, acts, xm, T, y, g0, g1);
+    }
+    free(xm);
+    release(acts);
+}
+
+/* y [T, N] = x [T, K] @ W.T for an x8 Q4_0/Q8_0 (Q4_K/Q5_K/Q6_K: x8k_gemm; Q5_0/Q5_1: x8q5_gemm)
+ * matrix W (N a multiple of 8). */
 void pi_x8_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x, int64_t T, float *y) {
-    if (is_k(qt)) {
-        x8k_gemm(qt, W, N, K, x, T, y);
+    if (is_k(qt) || is_q5(qt)) {
+        (is_k(qt) ? x8k_gemm : x8q5_gemm)(qt, W, N, K, x, T, y);
         return;
     }
     const int64_t nb = K / QK, G = N / 8;
