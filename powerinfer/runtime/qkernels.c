@@ -15,10 +15,12 @@
  *   (Q5_0, Q5_1: what llama.cpp's quantizer writes for Q4_K, Q5_K targets whose rows are not a
  *   multiple of 256 values; Q8_0 stands for Q6_K there)
  *
- * Q4_0, Q8_0, Q4_K and Q6_K products follow ggml: the activation vector is quantized once
+ * Block-quantized products (every type above but F16, BF16) follow ggml: the activation vector is quantized once
  * per product to 8-bit blocks of 32 (scale amax/127, round to nearest even; the scale kept
  * in fp32; K-quants also take the sums of each 16 values), each block or sub-block product
  * is an exact integer sum scaled by the block scales, and block results are summed in fp32.
+ * (ggml's K-quant products round the activation to 256-value blocks, q8_K; here every type
+ * shares the 32-value blocks, so a K-quant product rounds it more finely than ggml does.)
  * F16 rows are converted to fp32 in registers (F16C) and BF16 rows by a 16-bit shift, then
  * dotted with the fp32 activation, so a 16-bit file is read at 2 bytes a weight.
  *

@@ -9,10 +9,14 @@ on it, else in the compute dtype.
   tensor is converted into anonymous memory and the file pages it was read from are
   released from this process (``madvise(MADV_DONTNEED)``), so resident memory
   is the converted copy only, not converted copy + mapped file.
-* With the C kernels, matrices stored as Q4_0, Q8_0, Q4_K, Q6_K, f16 or bf16 stay in the
+* With the C kernels, matrices stored as Q4_0, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, f16 or bf16 stay in the
   memory map as :class:`QWeight` (:func:`load_matrix`), which the kernels compute on in
   place (f16 converted in registers by F16C, bf16 by a 16-bit shift): resident memory is
   the file size, and a 16-bit file is read at 2 bytes a weight on any AVX2 CPU.
+* Other block-quantized types (and every one with the torch backend) are dequantized at load,
+  by one rule (:func:`check_dequantized`, before anything is allocated): only when the copies
+  fit in available memory, with a warning giving their size; else the file is refused, the
+  type and the first such tensor named.
 * :func:`load_rows_into` fills a slice of a preallocated tensor (e.g. Q, K and
   V into one fused ``wqkv``), so fused layouts cost no extra copy either.
 
