@@ -6,8 +6,8 @@ the GGUF memory map, so a quantized model is resident at its file size. The runt
 kernels (``powerinfer.runtime.kernels``) compute on it directly; :meth:`dequantize`
 is the reference (``gguf``'s numpy dequantizers) for tests and the torch backend.
 
-``layout`` is ``rows`` (the file's row-major blocks) or ``x8``: a Q4_0/Q8_0 matrix re-laid out
-in groups of 8 rows for dense products (:meth:`QWeight.to_x8`; same size, see
+``layout`` is ``rows`` (the file's row-major blocks) or ``x8``: a Q4_0/Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K matrix
+re-laid out in groups of 8 rows for dense products (:meth:`QWeight.to_x8`; same size, see
 ``qkernels.c``), which cannot be sliced by row.
 
 ``.T`` gives the same bytes marked transposed (``[K, N]``), so a dense file's ``ffn_down``
@@ -79,7 +79,8 @@ class QWeight:
         return self.btype.nbytes / self.btype.block
 
     # ------------------------------------------------------------ checks
-    _SCALES = {"Q4_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}  # byte offsets of fp16 scales
+    _SCALES = {"Q4_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q5_1": (0, 2),
+               "Q5_K": (0, 2)}  # byte offsets of fp16 scales
 
     def first_nonfinite_row(self, rows_per_chunk: int = 4096) -> int | None:
         """The first stored row holding a NaN/inf fp16 block scale (every value for F16/BF16), or None.
@@ -106,31 +107,47 @@ class QWeight:
         return None
 
     # ------------------------------------------------------------ 8-row groups
+    X8_TYPES = ("Q4_0", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+
     def can_x8(self) -> bool:
-        return (self.btype.name in ("Q4_0", "Q8_0") and self.layout == "rows" and self.n_rows % 8 == 0
+        return (self.btype.name in self.X8_TYPES and self.layout == "rows" and self.n_rows % 8 == 0
                 and not self.transposed)
 
-    def to_x8(self, out: torch.Tensor | None = None) -> "QWeight":
-        """This Q4_0/Q8_0 matrix in the ``x8`` layout (into ``out``, uint8 of the same shape, if given).
+    def _x8_parts(self) -> tuple[int, int, int]:
+        """(bytes before the chunks, bytes in 4-byte chunks, bytes after them) of one block in ``x8``:
+        Q4_0/Q8_0/Q5_0 put their fp16 scale first (Q5_1 its scale and min); the K-quants chunk from
+        byte 0 (Q6_K's last 2 bytes, its fp16 d, after the chunks)."""
+        bb, head = self.btype.nbytes, {"Q4_0": 2, "Q8_0": 2, "Q5_0": 2, "Q5_1": 4}.get(self.btype.name, 0)
+        return head, (bb - head) // 4 * 4, (bb - head) % 4
 
-        Group ``g`` of 8 rows, block ``b``: 16 bytes of the 8 fp16 scales, then for each chunk
-        ``c`` (4 for Q4_0's 16 nibble bytes, 8 for Q8_0's 32 bytes) the bytes ``4c..4c+3`` of
-        each row, row after row.
+    def to_x8(self, out: torch.Tensor | None = None) -> "QWeight":
+        """This Q4_0/Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K matrix in the ``x8`` layout (into ``out``, uint8 of the same
+        shape, if given): same bytes, grouped for kernels that compute 8 rows at once.
+
+        Group ``g`` of 8 rows, block ``b``: the 8 rows' leading bytes (Q4_0/Q8_0: their fp16
+        scales), row after row; then for each 4-byte chunk ``c`` of the block's middle (Q4_0: its
+        16 nibble bytes; Q8_0: its 32 quants; Q5_0/Q5_1: qh and the nibbles; Q4_K/Q5_K: the whole block;
+        Q6_K: all but its fp16 d)
+        the bytes ``4c..4c+3`` of each row, row after row; then the 8 rows' trailing bytes
+        (Q6_K's d). ``qkernels.c`` (x8 sections) reads it.
         """
         if not self.can_x8():
-            raise ValueError(f"{self!r}: only untransposed Q4_0/Q8_0 rows, a multiple of 8 of them, go to x8")
-        G, nb, bb = self.n_rows // 8, self.n_cols // 32, self.btype.nbytes
-        nc = (bb - 2) // 4
+            raise ValueError(f"{self!r}: only untransposed {'/'.join(self.X8_TYPES)} rows, a multiple of 8 of "
+                             "them, go to x8")
+        G, bb = self.n_rows // 8, self.btype.nbytes
+        nb = self.n_cols // self.btype.block
+        head, mid, tail = self._x8_parts()
         out = torch.empty_like(self.raw) if out is None else out
         src, dst = self.raw.numpy(), out.numpy()
         step = max(1, (1 << 24) // max(1, 8 * src.shape[1]))  # ~16 MB of rows per chunk
         for g0 in range(0, G, step):
-            g1 = min(G, g0 + step)
-            blk = src[8 * g0:8 * g1].reshape(g1 - g0, 8, nb, bb)
-            part = dst[8 * g0:8 * g1].reshape(g1 - g0, nb, 8 * bb)
-            part[..., :16] = blk[..., :2].transpose(0, 2, 1, 3).reshape(g1 - g0, nb, 16)
-            part[..., 16:] = blk[..., 2:].reshape(g1 - g0, 8, nb, nc, 4).transpose(0, 2, 3, 1, 4).reshape(
-                g1 - g0, nb, 8 * (bb - 2))
+            n = min(G, g0 + step) - g0
+            blk = src[8 * g0:8 * (g0 + n)].reshape(n, 8, nb, bb)
+            part = dst[8 * g0:8 * (g0 + n)].reshape(n, nb, 8 * bb)
+            part[..., :8 * head] = blk[..., :head].transpose(0, 2, 1, 3).reshape(n, nb, 8 * head)
+            part[..., 8 * head:8 * (head + mid)] = blk[..., head:head + mid].reshape(n, 8, nb, mid // 4, 4).transpose(
+                0, 2, 3, 1, 4).reshape(n, nb, 8 * mid)
+            part[..., 8 * (head + mid):] = blk[..., head + mid:].transpose(0, 2, 1, 3).reshape(n, nb, 8 * tail)
         return QWeight(out, self.btype, self.n_rows, self.n_cols, layout="x8")
 
     def _rows_raw(self) -> np.ndarray:
@@ -138,12 +155,15 @@ class QWeight:
         raw = self.raw.numpy()
         if self.layout == "rows":
             return raw
-        G, nb, bb = self.n_rows // 8, self.n_cols // 32, self.btype.nbytes
-        nc = (bb - 2) // 4
+        G, bb = self.n_rows // 8, self.btype.nbytes
+        nb = self.n_cols // self.btype.block
+        head, mid, tail = self._x8_parts()
         blk = raw.reshape(G, nb, 8 * bb)
         out = np.empty((G, 8, nb, bb), np.uint8)
-        out[..., :2] = blk[..., :16].reshape(G, nb, 8, 2).transpose(0, 2, 1, 3)
-        out[..., 2:] = blk[..., 16:].reshape(G, nb, nc, 8, 4).transpose(0, 3, 1, 2, 4).reshape(G, 8, nb, bb - 2)
+        out[..., :head] = blk[..., :8 * head].reshape(G, nb, 8, head).transpose(0, 2, 1, 3)
+        out[..., head:head + mid] = blk[..., 8 * head:8 * (head + mid)].reshape(G, nb, mid // 4, 8, 4).transpose(
+            0, 3, 1, 2, 4).reshape(G, 8, nb, mid)
+        out[..., head + mid:] = blk[..., 8 * (head + mid):].reshape(G, nb, 8, tail).transpose(0, 2, 1, 3)
         return out.reshape(self.n_rows, -1)
 
     def index_select(self, dim: int, ids: torch.Tensor) -> "QWeight":

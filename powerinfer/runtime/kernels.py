@@ -12,8 +12,8 @@ speed limit is the bytes of weights read per token. Three operations cover it:
   union of their rows, each row read once (batched decoding, ``runtime/batch.py``), each
   token's numbers those of the one-token op.
 
-Each op also takes a :class:`powerinfer.quant.qweight.QWeight` (Q4_0, Q8_0, Q4_K, Q6_K, f16
-or bf16 bytes kept in the file's memory map) and computes on it in place with
+Each op also takes a :class:`powerinfer.quant.qweight.QWeight` (Q4_0, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K,
+f16 or bf16 bytes kept in the file's memory map) and computes on it in place with
 ``qkernels.c``: block-quantized products quantize the activation to 8-bit blocks once per
 product (as ggml does) and sum integers per block; f16 rows convert to fp32 in registers
 (F16C), bf16 rows by a 16-bit shift. :class:`SparseFFNCall` runs one token's whole sparse
@@ -27,7 +27,9 @@ Two backends:
 
 * ``c``: ``kernels.c``, compiled once per machine with the system C compiler
   (``cc -O3 -march=native -fopenmp``, ~1 s, cached under ``~/.cache/powerinfer``)
-  and called through ctypes. bf16 rows are multiplied with AVX512_BF16 dot-product
+  and called through ctypes. ``POWERINFER_MARCH`` replaces ``native`` (e.g.
+  ``POWERINFER_MARCH=haswell``: the AVX2 code an AVX2-only CPU runs, on an AVX-512 machine,
+  for measuring it there); ``CC`` names the compiler. bf16 rows are multiplied with AVX512_BF16 dot-product
   instructions (fp32 sums; other CPUs convert to fp32 in registers), and gathers
   prefetch the next active row while reading the current one. Threads come from
   torch's OpenMP runtime, so ``torch.set_num_threads`` governs them too.
@@ -64,10 +66,11 @@ SOURCE = Path(__file__).with_name("kernels.c")
 QSOURCE = Path(__file__).with_name("qkernels.c")
 FSOURCE = Path(__file__).with_name("sparse_ffn.c")  # one token's sparse FFN in one call
 _DT = {torch.float32: 0, torch.bfloat16: 1}
-_QT = {"F16": 2, "BF16": 30, "Q4_0": 10, "Q8_0": 11, "Q4_K": 12, "Q6_K": 13}  # qkernels.c type codes
+_QT = {"F16": 2, "BF16": 30, "Q4_0": 10, "Q8_0": 11, "Q4_K": 12, "Q6_K": 13, "Q5_0": 14, "Q5_1": 15,
+       "Q5_K": 16}  # qkernels.c type codes
 QGEMM_MAX_T = 64  # up to this many tokens a row-layout product runs in the C kernel, above it tiles + torch
 TILE_ROWS = 512  # rows dequantized at a time for prompt products
-Q8_ACT = ("Q4_0", "Q8_0", "Q4_K", "Q6_K")  # types whose products round the activation to 8-bit blocks
+Q8_ACT = ("Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K")  # products round the activation to 8-bit blocks
 PREFETCH_ROWS = 1  # rows ahead to prefetch in gathers (1 measured best for 8 KB rows)
 _state: dict = {"backend": None, "lib": None, "error": None}
 
@@ -87,7 +90,8 @@ def _build(native: bool = True) -> ctypes.CDLL:
     sources = (SOURCE, QSOURCE, FSOURCE)
     src = b"".join(p.read_bytes() for p in sources)
     cc = os.environ.get("CC", "cc")
-    flags = ["-O3", "-march=native" if native else "-mtune=generic", "-fopenmp", "-shared", "-fPIC"]
+    march = os.environ.get("POWERINFER_MARCH") or "native"  # e.g. haswell: AVX2 code on an AVX-512 CPU
+    flags = ["-O3", f"-march={march}" if native else "-mtune=generic", "-fopenmp", "-shared", "-fPIC"]
     libs = ["-lm"]
     key = hashlib.sha256(src + cc.encode() + " ".join(flags).encode()
                          + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
@@ -198,8 +202,8 @@ def _q_c_ok(w: QWeight) -> bool:
 
 
 def for_dense_products(w, alloc=None):
-    """``w`` laid out for dense products when that is faster: an untransposed Q4_0/Q8_0 QWeight
-    with a multiple of 8 rows goes to the ``x8`` layout (C backend only; ``alloc(shape,
+    """``w`` laid out for dense products when that is faster: an untransposed Q4_0/Q8_0/Q5_0/Q5_1/Q4_K/
+    Q5_K/Q6_K QWeight with a multiple of 8 rows goes to the ``x8`` layout (C backend only; ``alloc(shape,
     dtype)`` gives its memory); anything else is returned as it is."""
     if isinstance(w, QWeight) and w.can_x8() and backend() == "c":
         return w.to_x8(None if alloc is None else alloc(tuple(w.raw.shape), torch.uint8))

@@ -39,7 +39,8 @@ from .args import ModelArgs
 from ..quant.qweight import QWeight
 from .ffn import FFN
 from .kernels import attend_one, embed, linear
-from .weights import dense_layout, is_quantized, load_concat, load_matrix, load_tensor, stack_rows, tensor_shape, zeros
+from .weights import (check_dequantized, dense_layout, is_quantized, load_concat, load_matrix, load_tensor, stack_rows,
+                      tensor_shape, zeros)
 
 DEFAULT_CTX = 4096  # context when none is asked for, if the model's is longer (llama.cpp's default too)
 log = logging.getLogger(__name__)
@@ -362,6 +363,7 @@ class Transformer:
         # With the C kernels every matrix is computed on in the file's own bytes (block-quantized,
         # f16 or bf16: no f32 copy); the torch backend dequantizes to ``dtype`` at load.
         mapped = kernels.backend() == "c"
+        check_dequantized(g, dtype, mapped, _available_memory())  # before any allocation
         self.quantized = is_quantized(g) and mapped
         self.tok_embd = load_matrix(g, "token_embd.weight", dtype, mapped)  # [V, D]
         if self.tok_embd.shape != (a.n_vocab or self.tok_embd.shape[0], a.n_embd):

@@ -8,11 +8,19 @@
  *   QT_Q8_0 11  32 values in 34 bytes: half d, 32 int8, value = d * q
  *   QT_Q4_K 12  256 values in 144 bytes (ggml's block_q4_K)
  *   QT_Q6_K 13  256 values in 210 bytes (ggml's block_q6_K)
+ *   QT_Q5_0 14  32 values in 22 bytes: half d, 4 bytes qh (bit j: the 5th bit of value j),
+ *               16 bytes of nibbles as Q4_0, value = d * ((nibble | bit << 4) - 16)
+ *   QT_Q5_1 15  32 values in 24 bytes: half d, half m, qh, nibbles as Q5_0, value = d * q + m
+ *   QT_Q5_K 16  256 values in 176 bytes (ggml's block_q5_K: Q4_K's scales, 32 bytes qh, 128 qs)
+ *   (Q5_0, Q5_1: what llama.cpp's quantizer writes for Q4_K, Q5_K targets whose rows are not a
+ *   multiple of 256 values; Q8_0 stands for Q6_K there)
  *
- * Q4_0, Q8_0, Q4_K and Q6_K products follow ggml: the activation vector is quantized once
+ * Block-quantized products (every type above but F16, BF16) follow ggml: the activation vector is quantized once
  * per product to 8-bit blocks of 32 (scale amax/127, round to nearest even; the scale kept
  * in fp32; K-quants also take the sums of each 16 values), each block or sub-block product
  * is an exact integer sum scaled by the block scales, and block results are summed in fp32.
+ * (ggml's K-quant products round the activation to 256-value blocks, q8_K; here every type
+ * shares the 32-value blocks, so a K-quant product rounds it more finely than ggml does.)
  * F16 rows are converted to fp32 in registers (F16C) and BF16 rows by a 16-bit shift, then
  * dotted with the fp32 activation, so a 16-bit file is read at 2 bytes a weight.
  *
@@ -34,7 +42,8 @@
 #include <immintrin.h>
 #endif
 
-enum { QT_F16 = 2, QT_BF16 = 30, QT_Q4_0 = 10, QT_Q8_0 = 11, QT_Q4_K = 12, QT_Q6_K = 13 };
+enum { QT_F16 = 2, QT_BF16 = 30, QT_Q4_0 = 10, QT_Q8_0 = 11, QT_Q4_K = 12, QT_Q6_K = 13, QT_Q5_0 = 14, QT_Q5_1 = 15,
+       QT_Q5_K = 16 };
 #define QK 32
 #define QKK 256
 #define PAR_MIN_BYTES (1 << 17) /* below this many weight bytes a call runs on the calling thread */
@@ -68,7 +77,8 @@ static inline float b2f(uint16_t b) {
 }
 static inline int is_16bit(int qt) { return qt == QT_F16 || qt == QT_BF16; }
 
-static int64_t block_values(int qt) { return is_16bit(qt) ? 1 : (qt == QT_Q4_K || qt == QT_Q6_K) ? QKK : QK; }
+static inline int is_k(int qt) { return qt == QT_Q4_K || qt == QT_Q5_K || qt == QT_Q6_K; }
+static int64_t block_values(int qt) { return is_16bit(qt) ? 1 : is_k(qt) ? QKK : QK; }
 static int64_t block_bytes(int qt) {
     switch (qt) {
         case QT_F16:
@@ -77,14 +87,18 @@ static int64_t block_bytes(int qt) {
         case QT_Q8_0: return 34;
         case QT_Q4_K: return 144;
         case QT_Q6_K: return 210;
+        case QT_Q5_0: return 22;
+        case QT_Q5_1: return 24;
+        case QT_Q5_K: return 176;
     }
     return 0;
 }
 static inline int64_t row_bytes(int qt, int64_t K) { return K / block_values(qt) * block_bytes(qt); }
 static inline int is_q0(int qt) { return qt == QT_Q4_0 || qt == QT_Q8_0; }
-static inline int is_k(int qt) { return qt == QT_Q4_K || qt == QT_Q6_K; }
-/* types whose products quantize the activation to q8 blocks (K-quants also need its 16-sums) */
-static inline int uses_q8(int qt) { return is_q0(qt) || is_k(qt); }
+static inline int is_q5(int qt) { return qt == QT_Q5_0 || qt == QT_Q5_1; }
+/* types whose products quantize the activation to q8 blocks (K-quants and Q5_0/Q5_1 also need its 16-sums) */
+static inline int uses_q8(int qt) { return is_q0(qt) || is_k(qt) || is_q5(qt); }
+static inline int needs_sums(int qt) { return is_k(qt) || is_q5(qt); }
 
 #ifdef PI_AVX2
 static inline float hsum8(__m256 v) {
@@ -256,6 +270,41 @@ static void deq_q6_K(const uint8_t *blk, float *y) {
         }
 }
 
+/* one 256-value Q5_K super-block -> f32 (ggml's dequantize_row_q5_K): Q4_K's 6-bit scales and
+ * mins, 4-bit low parts in qs, and the 5th bit of value 64 c + 32 h + l in bit 2 c + h of qh[l] */
+static void deq_q5_K(const uint8_t *blk, float *y) {
+    const float d = h2f(rd16(blk)), dmin = h2f(rd16(blk + 2));
+    const uint8_t *sc = blk + 4, *qh = blk + 16, *q = blk + 48;
+    for (int c = 0; c < 4; c++, q += 32)
+        for (int h = 0; h < 2; h++) {
+            uint8_t s, m;
+            get_scale_min_k4(2 * c + h, sc, &s, &m);
+            const float ds = d * s, dm = dmin * m;
+            for (int l = 0; l < 32; l++) {
+                const int v = (h ? q[l] >> 4 : q[l] & 15) | (((qh[l] >> (2 * c + h)) & 1) << 4);
+                y[64 * c + 32 * h + l] = ds * v - dm;
+            }
+        }
+}
+
+/* one 32-value Q5_0 or Q5_1 block -> f32 (ggml's dequantize_row_q5_0 / _q5_1) */
+static void deq_q5(int qt, const uint8_t *blk, float *y) {
+    const float d = h2f(rd16(blk)), m = qt == QT_Q5_1 ? h2f(rd16(blk + 2)) : 0.f;
+    const uint8_t *qh = blk + (qt == QT_Q5_1 ? 4 : 2), *qs = qh + 4;
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    for (int j = 0; j < 16; j++) {
+        const int lo = (qs[j] & 15) | (((h >> j) & 1) << 4), hi = (qs[j] >> 4) | (((h >> (j + 16)) & 1) << 4);
+        if (qt == QT_Q5_1) {
+            y[j] = d * lo + m;
+            y[j + 16] = d * hi + m;
+        } else {
+            y[j] = d * (lo - 16);
+            y[j + 16] = d * (hi - 16);
+        }
+    }
+}
+
 static inline float dot_f32(const float *a, const float *b, int64_t n) {
     int64_t i = 0;
     float acc = 0.f;
@@ -364,51 +413,151 @@ typedef struct {
     const int32_t *xs;  /* sums of xq over each 16 values (K-quants, Q4_0) */
 } act_t;
 
-/* Q4_K row . q8 activation: sub-block k of 32 values (scale s_k, min m_k, 4-bit q) meets
- * q8 block k of the activation: d s_k dx sum(q qx) - dmin m_k dx sum(qx), integer sums exact. */
-static inline float dot_q4_K(const uint8_t *row, act_t a, int64_t nsb) {
-    float acc = 0.f, mins = 0.f;
 #ifdef PI_AVX2
-    __m256 vacc = _mm256_setzero_ps();
-    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+/* [sum of v[0]'s 8 lanes, ..., sum of v[7]'s] for eight int32 vectors */
+static inline __m256i hsum8x8_i32(const __m256i *v) {
+    const __m256i t0 = _mm256_hadd_epi32(v[0], v[1]), t1 = _mm256_hadd_epi32(v[2], v[3]);
+    const __m256i t2 = _mm256_hadd_epi32(v[4], v[5]), t3 = _mm256_hadd_epi32(v[6], v[7]);
+    /* u0: [v0..v3 summed over lanes 0-3 | the same over lanes 4-7], u1 the same for v4..v7 */
+    const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+/* the 8 sums of adjacent pairs of 16 int32 (the activation's 32-value sums from its 16-value sums) */
+static inline __m256i pair_sums(const int32_t *s16) {
+    const __m256i h = _mm256_hadd_epi32(_mm256_loadu_si256((const __m256i *)s16),
+                                        _mm256_loadu_si256((const __m256i *)(s16 + 8)));
+    return _mm256_permute4x64_epi64(h, 0xD8);
+}
+/* Q4_K/Q5_K's 12 scale bytes -> the 8 6-bit scales and the 8 6-bit mins as int32 lanes */
+static inline void k4_scales(const uint8_t *sc, __m256i *s8, __m256i *m8) {
+    uint32_t u0, u1, u2;
+    memcpy(&u0, sc, 4);
+    memcpy(&u1, sc + 4, 4);
+    memcpy(&u2, sc + 8, 4);
+    const uint32_t slo = u0 & 0x3f3f3f3fu, mlo = u1 & 0x3f3f3f3fu;
+    const uint32_t shi = (u2 & 0x0f0f0f0fu) | (((u0 >> 6) & 0x03030303u) << 4);
+    const uint32_t mhi = ((u2 >> 4) & 0x0f0f0f0fu) | (((u1 >> 6) & 0x03030303u) << 4);
+    *s8 = _mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)shi, (int)slo));
+    *m8 = _mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)mhi, (int)mlo));
+}
+/* 32 bytes of 0x10 where bit j of the 32-bit qh is set, else 0 (Q5_0/Q5_1's 5th bits) */
+static inline __m256i q5_high_bits(const uint8_t *qh) {
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h), spread);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(0x10));
+}
+/* 16 bytes of nibbles -> 32 unsigned bytes 0..15 (low nibbles, then high) */
+static inline __m256i nibbles32(const uint8_t *qs) {
+    const __m128i t = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0f));
+}
+/* 32 unsigned bytes . 32 signed activation bytes as 8 int32 lanes */
+static inline __m256i dot_u8i8(__m256i u, const int8_t *x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)x)), _mm256_set1_epi16(1));
+}
 #endif
+
+/* Q4_K (h5 0) and Q5_K (h5 1) row . q8 activation: sub-block k of 32 values (scale s_k, min m_k,
+ * 4- or 5-bit q) meets q8 block k of the activation: d s_k dx_k sum(q qx) - dmin m_k dx_k sum(qx),
+ * integer sums exact. AVX2: a super-block's 8 sub-block sums as one int32 vector, scaled and
+ * summed in one FMA (and the mins in another), lane k for sub-block k. */
+static inline __attribute__((always_inline)) float dot_q45_K(const uint8_t *row, act_t a, int64_t nsb, const int h5) {
+    const int64_t bb = h5 ? 176 : 144, qoff = h5 ? 48 : 16;
+#ifdef PI_AVX2
+    __m256 vacc = _mm256_setzero_ps(), vmin = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0f), one8 = _mm256_set1_epi8(1);
     for (int64_t sb = 0; sb < nsb; sb++) {
-        const uint8_t *blk = row + sb * 144, *sc = blk + 4, *qs = blk + 16;
-        const float d = h2f(rd16(blk)), dmin = h2f(rd16(blk + 2));
-        for (int j = 0; j < 4; j++) {
-            for (int h = 0; h < 2; h++) {
-                const int k = 2 * j + h;
-                const int64_t qb = sb * 8 + k;  /* the activation's q8 block */
-                uint8_t s, m;
-                get_scale_min_k4(k, sc, &s, &m);
-                mins += dmin * m * a.xd[qb] * (float)(a.xs[2 * qb] + a.xs[2 * qb + 1]);
-#ifdef PI_AVX2
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-                const __m256i q = h ? _mm256_and_si256(_mm256_srli_epi16(v, 4), m4) : _mm256_and_si256(v, m4);
-                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(a.xq + qb * QK))), ones);
-                vacc = _mm256_fmadd_ps(_mm256_set1_ps(d * s * a.xd[qb]), _mm256_cvtepi32_ps(p), vacc);
-#else
-                int32_t t = 0;
-                for (int l = 0; l < 32; l++) t += (h ? qs[32 * j + l] >> 4 : qs[32 * j + l] & 15) * a.xq[qb * QK + l];
-                acc += d * s * a.xd[qb] * (float)t;
-#endif
+        const uint8_t *blk = row + sb * bb, *qs = blk + qoff;
+        const int64_t q0 = sb * 8;  /* the activation's first q8 block */
+        __m256i s8, m8, p[8];
+        k4_scales(blk + 4, &s8, &m8);
+        __m256i hv = h5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            if (h5) {  /* bit 2c (low half) and 2c + 1 (high half) of each qh byte, to bit 4 */
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(hv, one8), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 1), one8), 4));
+                hv = _mm256_srli_epi16(hv, 2);
             }
+            p[2 * c] = dot_u8i8(lo, a.xq + (q0 + 2 * c) * QK);
+            p[2 * c + 1] = dot_u8i8(hi, a.xq + (q0 + 2 * c + 1) * QK);
+        }
+        const __m256 dx = _mm256_loadu_ps(a.xd + q0);
+        const __m256i bs = _mm256_mullo_epi32(hsum8x8_i32(p), s8);
+        vacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bs), _mm256_mul_ps(_mm256_set1_ps(h2f(rd16(blk))), dx), vacc);
+        const __m256i ms = _mm256_mullo_epi32(pair_sums(a.xs + 2 * q0), m8);
+        vmin = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_mul_ps(_mm256_set1_ps(h2f(rd16(blk + 2))), dx), vmin);
+    }
+    return hsum8(_mm256_sub_ps(vacc, vmin));
+#else
+    float acc = 0.f, mins = 0.f;
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = row + sb * bb, *sc = blk + 4, *qs = blk + qoff, *qh = blk + 16;
+        const float d = h2f(rd16(blk)), dmin = h2f(rd16(blk + 2));
+        for (int k = 0; k < 8; k++) {
+            const int c = k / 2, h = k % 2;
+            const int64_t qb = sb * 8 + k;  /* the activation's q8 block */
+            uint8_t s, m;
+            get_scale_min_k4(k, sc, &s, &m);
+            mins += dmin * m * a.xd[qb] * (float)(a.xs[2 * qb] + a.xs[2 * qb + 1]);
+            int32_t t = 0;
+            for (int l = 0; l < 32; l++) {
+                int q = h ? qs[32 * c + l] >> 4 : qs[32 * c + l] & 15;
+                if (h5) q |= ((qh[l] >> k) & 1) << 4;
+                t += q * a.xq[qb * QK + l];
+            }
+            acc += d * s * a.xd[qb] * (float)t;
         }
     }
-#ifdef PI_AVX2
-    acc += hsum8(vacc);
-#endif
     return acc - mins;
+#endif
 }
+static inline float dot_q4_K(const uint8_t *row, act_t a, int64_t nsb) { return dot_q45_K(row, a, nsb, 0); }
+static inline float dot_q5_K(const uint8_t *row, act_t a, int64_t nsb) { return dot_q45_K(row, a, nsb, 1); }
 
 /* Q6_K row . q8 activation: 6-bit q (0..63, offset 32) with an int8 scale per 16 values:
- * d dx (sum over 16-groups of s_g (sum(q qx) - 32 sum(qx))). */
+ * d dx_k (sum over the two 16-groups g of block k of s_g (sum(q qx) - 32 sum(qx))).
+ * AVX2: the 16 group sums of a super-block in two int32 vectors, the offset and scales applied
+ * there, then the 8 block sums scaled in one FMA. */
 static inline float dot_q6_K(const uint8_t *row, act_t a, int64_t nsb) {
-    float acc = 0.f;
 #ifdef PI_AVX2
     __m256 vacc = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x03);
-#endif
+    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);  /* groups 0,2,4,6 | 1,3,5,7 */
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = row + sb * 210;
+        const int64_t q0 = sb * 8;
+        __m256i u[2];
+        for (int n = 0; n < 2; n++) {
+            const uint8_t *ql = blk + 64 * n, *qh = blk + 128 + 32 * n;
+            const __m256i la = _mm256_loadu_si256((const __m256i *)ql), lb = _mm256_loadu_si256((const __m256i *)(ql + 32));
+            const __m256i hv = _mm256_loadu_si256((const __m256i *)qh);
+            __m256i q[4], p[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(la, m4), _mm256_slli_epi16(_mm256_and_si256(hv, m2), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(lb, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 2), m2), 4));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(la, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 4), m2), 4));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 6), m2), 4));
+            for (int g = 0; g < 4; g++) p[g] = dot_u8i8(q[g], a.xq + (q0 + 4 * n + g) * QK);
+            /* [G0, G2, G4, G6 | G1, G3, G5, G7] of this half (G: the 16-value group sums) */
+            u[n] = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+            const __m256i xs = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)(a.xs + 2 * (q0 + 4 * n))), order);
+            const __m256i sc = _mm256_permutevar8x32_epi32(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * n))), order);
+            u[n] = _mm256_mullo_epi32(_mm256_sub_epi32(u[n], _mm256_slli_epi32(xs, 5)), sc);
+        }
+        const __m256i bs = _mm256_add_epi32(_mm256_permute2x128_si256(u[0], u[1], 0x20),
+                                            _mm256_permute2x128_si256(u[0], u[1], 0x31));
+        const __m256 ddx = _mm256_mul_ps(_mm256_set1_ps(h2f(rd16(blk + 208))), _mm256_loadu_ps(a.xd + q0));
+        vacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bs), ddx, vacc);
+    }
+    return hsum8(vacc);
+#else
+    float acc = 0.f;
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *blk = row + sb * 210;
         const int8_t *sc = (const int8_t *)(blk + 192);
@@ -416,25 +565,11 @@ static inline float dot_q6_K(const uint8_t *row, act_t a, int64_t nsb) {
         for (int n = 0; n < 2; n++) {
             const uint8_t *ql = blk + 64 * n, *qh = blk + 128 + 32 * n;
             const int8_t *s = sc + 8 * n;
-#ifdef PI_AVX2
-            const __m256i la = _mm256_loadu_si256((const __m256i *)ql), lb = _mm256_loadu_si256((const __m256i *)(ql + 32));
-            const __m256i hv = _mm256_loadu_si256((const __m256i *)qh);
-            __m256i q[4];
-            q[0] = _mm256_or_si256(_mm256_and_si256(la, m4), _mm256_slli_epi16(_mm256_and_si256(hv, m2), 4));
-            q[1] = _mm256_or_si256(_mm256_and_si256(lb, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 2), m2), 4));
-            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(la, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 4), m2), 4));
-            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 6), m2), 4));
-#endif
             for (int g = 0; g < 4; g++) {
                 const int64_t qb = sb * 8 + 4 * n + g;
                 const int s0 = s[2 * g], s1 = s[2 * g + 1];
                 const float ddx = d * a.xd[qb];
                 acc -= ddx * 32.f * (float)(s0 * a.xs[2 * qb] + s1 * a.xs[2 * qb + 1]);
-#ifdef PI_AVX2
-                const __m256i p16 = _mm256_maddubs_epi16(q[g], _mm256_loadu_si256((const __m256i *)(a.xq + qb * QK)));
-                const __m256i sv = _mm256_set_m128i(_mm_set1_epi16((short)s1), _mm_set1_epi16((short)s0));
-                vacc = _mm256_fmadd_ps(_mm256_set1_ps(ddx), _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, sv)), vacc);
-#else
                 int32_t t0 = 0, t1 = 0;
                 for (int l = 0; l < 32; l++) {
                     const int hi = (qh[l] >> (2 * g)) & 3;
@@ -444,15 +579,55 @@ static inline float dot_q6_K(const uint8_t *row, act_t a, int64_t nsb) {
                     else t1 += v;
                 }
                 acc += ddx * (float)(s0 * t0 + s1 * t1);
-#endif
             }
         }
     }
-#ifdef PI_AVX2
-    acc += hsum8(vacc);
-#endif
     return acc;
+#endif
 }
+
+/* Q5_0 / Q5_1 row . q8 activation, block by block as Q4_0: Q5_0's q - 16 signed meets qx as
+ * Q4_0's does; Q5_1's unsigned q gives d dx sum(q qx) + m dx sum(qx). */
+static inline __attribute__((always_inline)) float dot_q5(const uint8_t *row, act_t a, int64_t nb, const int q51) {
+    const int64_t bb = q51 ? 24 : 22, hoff = q51 ? 4 : 2;
+    float macc = 0.f;
+#ifdef PI_AVX2
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * bb;
+        const __m256i q = _mm256_or_si256(nibbles32(blk + hoff + 4), q5_high_bits(blk + hoff));
+        const float s = h2f(rd16(blk)) * a.xd[b];
+        __m256 p;
+        if (q51) {
+            p = _mm256_cvtepi32_ps(dot_u8i8(q, a.xq + b * QK));
+            macc += h2f(rd16(blk + 2)) * a.xd[b] * (float)(a.xs[2 * b] + a.xs[2 * b + 1]);
+        } else {
+            p = dot_i8(_mm256_sub_epi8(q, _mm256_set1_epi8(16)), _mm256_loadu_si256((const __m256i *)(a.xq + b * QK)));
+        }
+        if (b & 1) acc1 = _mm256_fmadd_ps(_mm256_set1_ps(s), p, acc1);
+        else acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s), p, acc0);
+    }
+    return hsum8(_mm256_add_ps(acc0, acc1)) + macc;
+#else
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * bb, *qs = blk + hoff + 4;
+        uint32_t h;
+        memcpy(&h, blk + hoff, 4);
+        const int8_t *y = a.xq + b * QK;
+        const int off = q51 ? 0 : 16;
+        int32_t t = 0;
+        for (int j = 0; j < 16; j++)
+            t += (((qs[j] & 15) | (((h >> j) & 1) << 4)) - off) * y[j]
+               + (((qs[j] >> 4) | (((h >> (j + 16)) & 1) << 4)) - off) * y[j + 16];
+        acc += h2f(rd16(blk)) * a.xd[b] * (float)t;
+        if (q51) macc += h2f(rd16(blk + 2)) * a.xd[b] * (float)(a.xs[2 * b] + a.xs[2 * b + 1]);
+    }
+    return acc + macc;
+#endif
+}
+static inline float dot_q5_0(const uint8_t *row, act_t a, int64_t nb) { return dot_q5(row, a, nb, 0); }
+static inline float dot_q5_1(const uint8_t *row, act_t a, int64_t nb) { return dot_q5(row, a, nb, 1); }
 
 static inline float row_dot(int qt, const uint8_t *row, act_t a, int64_t K) {
     switch (qt) {
@@ -460,6 +635,9 @@ static inline float row_dot(int qt, const uint8_t *row, act_t a, int64_t K) {
         case QT_Q8_0: return dot_q8_0(row, a.xq, a.xd, K / QK);
         case QT_Q4_K: return dot_q4_K(row, a, K / QKK);
         case QT_Q6_K: return dot_q6_K(row, a, K / QKK);
+        case QT_Q5_K: return dot_q5_K(row, a, K / QKK);
+        case QT_Q5_0: return dot_q5_0(row, a, K / QK);
+        case QT_Q5_1: return dot_q5_1(row, a, K / QK);
         default: return dot_16(qt, row, a.x, K);
     }
 }
@@ -496,16 +674,16 @@ static acts_t prepare(int qt, const float *x, int64_t T, int64_t K, int *ok) {
     const int64_t nb = K / QK;
     a.q = malloc((size_t)(T * K) + 1);
     a.d = malloc((size_t)(T * nb) * sizeof(float) + 1);
-    if (is_k(qt)) a.s = malloc((size_t)(T * (K / 16)) * sizeof(int32_t) + 1);
+    if (needs_sums(qt)) a.s = malloc((size_t)(T * (K / 16)) * sizeof(int32_t) + 1);
     else if (qt == QT_Q4_0) a.o = malloc((size_t)(T * nb) * sizeof(int32_t) + 1);
-    if (!a.q || !a.d || (is_k(qt) && !a.s) || (qt == QT_Q4_0 && !a.o)) {
+    if (!a.q || !a.d || (needs_sums(qt) && !a.s) || (qt == QT_Q4_0 && !a.o)) {
         release(a);
         acts_t none = {NULL, NULL, NULL, NULL};
         *ok = 0;
         return none;
     }
     for (int64_t t = 0; t < T; t++) quantize_q8(x + t * K, K, a.q + t * K, a.d + t * nb);
-    if (is_k(qt)) {
+    if (needs_sums(qt)) {
         for (int64_t i = 0; i < T * (K / 16); i++) {
             int32_t v = 0;
             for (int e = 0; e < 16; e++) v += a.q[i * 16 + e];
@@ -602,6 +780,7 @@ int pi_q_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x, int64
 #endif
         for (int64_t r = r0; r < r1; r++) {
             const uint8_t *row = (const uint8_t *)W + r * rb;
+            if (r + 1 < r1) prefetch_row(row + rb, rb);  /* the next row (Q5_0 rows: 0.4 -> x GB/s) */
             for (int64_t t = 0; t < T; t++) y[t * N + r] = row_dot(qt, row, act_of(x, acts, t, K), K);
         }
     }
@@ -728,11 +907,20 @@ static inline void axpy_row(int qt, const uint8_t *row, float c, int64_t d0, int
             _mm256_storeu_ps(out + d, _mm256_fmadd_ps(cv, bf16x8(h + d), _mm256_loadu_ps(out + d)));
 #endif
         for (; d < d1; d++) out[d] += c * b2f(h[d]);
+    } else if (is_q5(qt)) {
+        const int64_t bb = block_bytes(qt);
+        float buf[QK];
+        for (int64_t b = d0 / QK; b < d1 / QK; b++) {
+            deq_q5(qt, row + b * bb, buf);
+            for (int j = 0; j < QK; j++) out[b * QK + j] += c * buf[j];
+        }
     } else {
+        const int64_t bb = block_bytes(qt);
         float buf[QKK];
         for (int64_t b = d0 / QKK; b < d1 / QKK; b++) {
-            if (qt == QT_Q4_K) deq_q4_K(row + b * 144, buf);
-            else deq_q6_K(row + b * 210, buf);
+            if (qt == QT_Q4_K) deq_q4_K(row + b * bb, buf);
+            else if (qt == QT_Q5_K) deq_q5_K(row + b * bb, buf);
+            else deq_q6_K(row + b * bb, buf);
             for (int j = 0; j < QKK; j++) out[b * QKK + j] += c * buf[j];
         }
     }
@@ -1006,8 +1194,350 @@ static void x8_range(int qt, const uint8_t *W, int64_t nb, int64_t N, acts_t a, 
     else x8_range_t(QT_Q8_0, W, nb, N, a, T, y, g0, g1);
 }
 
-/* y [T, N] = x [T, K] @ W.T for an x8 Q4_0/Q8_0 matrix W (N a multiple of 8). */
+/* ------------------------------------------------------------------ 8-row groups of K-quants
+ * Q4_K, Q5_K and Q6_K dense matrices re-laid out at load in groups of 8 rows ("x8", same bytes
+ * per row): for group g and super-block s, 8 * bb bytes at (g * nsb + s) * 8 * bb hold the first
+ * 4 * (bb / 4) bytes of each row's block as chunks of 32 bytes (chunk c: bytes 4c..4c+3 of row i
+ * at offset 4i), then the bb % 4 remaining bytes of each row (Q6_K's fp16 d), row after row.
+ * Lane i of a chunk is row i, so each product sums 8 rows at once in the 8 int32 lanes against
+ * 4 broadcast activation bytes (no horizontal sums), as the Q4_0/Q8_0 x8 kernel does.
+ * Q4_K/Q5_K chunks: 0 (d, dmin), 1-3 (the packed 6-bit scales and mins), Q5_K 4-11 (qh), then
+ * 32 of qs. Q6_K chunks: 0-31 ql, 32-47 qh, 48-51 the int8 scales, then the 8 d.
+ * Per row the super-block's sums are those of dot_q4_K/_q5_K/_q6_K (exact integer sums per 32
+ * values, the same scales), summed in another float order: equal within float32 rounding. */
+
+/* row i of an x8 block of type qt (head: the leading bytes per row) back into ggml's block bytes */
+static inline void x8_row_bytes(int qt, const uint8_t *blk, int i, uint8_t *out) {
+    const int64_t head = qt == QT_Q5_0 ? 2 : qt == QT_Q5_1 ? 4 : 0, bb = block_bytes(qt);
+    const int64_t nc = (bb - head) / 4, tail = (bb - head) % 4;
+    memcpy(out, blk + head * i, (size_t)head);
+    for (int64_t c = 0; c < nc; c++) memcpy(out + head + 4 * c, blk + 8 * head + 32 * c + 4 * i, 4);
+    if (tail) memcpy(out + head + 4 * nc, blk + 8 * head + 32 * nc + tail * i, (size_t)tail);
+}
+
+#ifdef PI_AVX2
+/* the stream X8_AHEAD bytes on, an eighth of a super-block group (gb bytes) per sub-block k: spread
+ * over the compute (a burst of a whole group's lines stalls on the line-fill buffers: measured
+ * 0.45 of the spread rate, Q6_K, 1 thread) */
+static inline void x8k_prefetch(const uint8_t *blk, int64_t gb, int k) {
+    for (int64_t o = k * gb / 8 / 64 * 64; o < (k + 1) * gb / 8; o += 64) __builtin_prefetch(blk + X8_AHEAD + o, 0, 3);
+}
+
+/* 8 fp16 in the low (hi = 0) or high (hi = 1) halves of 8 int32 lanes -> 8 fp32 */
+static inline __m256 halves8(__m256i v, const int hi) {
+    const __m256i h = hi ? _mm256_srli_epi32(v, 16) : _mm256_and_si256(v, _mm256_set1_epi32(0xffff));
+    const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(p));
+}
+
+/* rn (1..4) tokens from t0 against one group of 8 Q4_K (h5 0) or Q5_K (h5 1) rows: out [rn][8].
+ * xm[t * nb + q]: token t's q8 block q scale times the sum of its values (the mins' factor). */
+static inline __attribute__((always_inline)) void x8k45_tile(const uint8_t *base, int64_t nsb, acts_t a,
+                                                             const float *xm, int64_t nb, int64_t t0, const int rn,
+                                                             const int h5, float *out) {
+    const int64_t gb = 8 * (h5 ? 176 : 144);
+    const __m256i m4 = _mm256_set1_epi8(0x0f), one8 = _mm256_set1_epi8(1), ones = _mm256_set1_epi16(1);
+    const __m256i m6 = _mm256_set1_epi32(0x3f3f3f3f), m2 = _mm256_set1_epi32(0x03030303), b4 = _mm256_set1_epi32(0x0f0f0f0f);
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = base + sb * gb;
+        const __m256i dd = _mm256_loadu_si256((const __m256i *)blk);
+        const __m256 d8 = halves8(dd, 0), dm8 = halves8(dd, 1);
+        const __m256i u0 = _mm256_loadu_si256((const __m256i *)(blk + 32)), u1 = _mm256_loadu_si256((const __m256i *)(blk + 64)),
+                      u2 = _mm256_loadu_si256((const __m256i *)(blk + 96));
+        /* lane i: row i's scales (mins) of sub-blocks 0-3 and 4-7, one per byte */
+        const __m256i slo = _mm256_and_si256(u0, m6), mlo = _mm256_and_si256(u1, m6);
+        const __m256i shi = _mm256_or_si256(_mm256_and_si256(u2, b4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), m2), 4));
+        const __m256i mhi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), b4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), m2), 4));
+        const uint8_t *qs = blk + 32 * (h5 ? 12 : 4), *qh = blk + 128;
+        for (int k = 0; k < 8; k++) {
+            x8k_prefetch(blk, gb, k);
+            const int c = k / 2, h = k % 2;
+            const __m256i sv = k < 4 ? slo : shi, mv = k < 4 ? mlo : mhi;
+            const __m256i s_k = _mm256_and_si256(_mm256_srli_epi32(sv, 8 * (k % 4)), _mm256_set1_epi32(0xff));
+            const __m256i m_k = _mm256_and_si256(_mm256_srli_epi32(mv, 8 * (k % 4)), _mm256_set1_epi32(0xff));
+            const __m256 sd = _mm256_mul_ps(_mm256_cvtepi32_ps(s_k), d8), md = _mm256_mul_ps(_mm256_cvtepi32_ps(m_k), dm8);
+            __m256i w[8];
+            for (int jj = 0; jj < 8; jj++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * (8 * c + jj)));
+                w[jj] = h ? _mm256_and_si256(_mm256_srli_epi16(v, 4), m4) : _mm256_and_si256(v, m4);
+                if (h5) {
+                    const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * jj));
+                    w[jj] = _mm256_or_si256(w[jj], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, k), one8), 4));
+                }
+            }
+#pragma GCC unroll 4
+            for (int j = 0; j < rn; j++) {
+                const int64_t xb = (t0 + j) * nb + sb * 8 + k;  /* the token's q8 block */
+                const int8_t *xq = a.q + xb * QK;
+                __m256i s32;
+                if (h5) {  /* 5-bit q: four pairs of products fit int16, eight may not */
+                    __m256i p = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(ld32(xq)));
+                    for (int jj = 1; jj < 4; jj++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[jj], _mm256_set1_epi32(ld32(xq + 4 * jj))));
+                    __m256i q = _mm256_maddubs_epi16(w[4], _mm256_set1_epi32(ld32(xq + 16)));
+                    for (int jj = 5; jj < 8; jj++) q = _mm256_add_epi16(q, _mm256_maddubs_epi16(w[jj], _mm256_set1_epi32(ld32(xq + 4 * jj))));
+                    s32 = _mm256_add_epi32(_mm256_madd_epi16(p, ones), _mm256_madd_epi16(q, ones));
+                } else {  /* 4-bit q: |eight pairs| <= 8 * 2 * 15 * 127 = 30480 */
+                    __m256i p = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(ld32(xq)));
+                    for (int jj = 1; jj < 8; jj++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[jj], _mm256_set1_epi32(ld32(xq + 4 * jj))));
+                    s32 = _mm256_madd_epi16(p, ones);
+                }
+                acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s32), sd), _mm256_set1_ps(a.d[xb]), acc[j]);
+                acc[j] = _mm256_fnmadd_ps(md, _mm256_set1_ps(xm[xb]), acc[j]);
+            }
+        }
+    }
+    for (int j = 0; j < rn; j++) _mm256_storeu_ps(out + 8 * j, acc[j]);
+}
+
+/* the same for Q6_K: q 0..63 (offset 32), an int8 scale per 16 values */
+static inline __attribute__((always_inline)) void x8k6_tile(const uint8_t *base, int64_t nsb, acts_t a, int64_t nb,
+                                                            int64_t t0, const int rn, float *out) {
+    const int64_t gb = 8 * 210;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m3 = _mm256_set1_epi8(0x03), lo16 = _mm256_set1_epi32(0xffff);
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = base + sb * gb;
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 * 52)));
+        for (int k = 0; k < 8; k++) {
+            x8k_prefetch(blk, gb, k);
+            const int n = k / 4, b = k % 4;  /* half, and block within the half */
+            /* the two groups' scales, sign-extended: lane i = row i */
+            const __m256i sc = _mm256_loadu_si256((const __m256i *)(blk + 32 * (48 + k / 2)));
+            const int e = 2 * (k % 2);  /* byte of group 2k in its chunk */
+            const __m256i sa = _mm256_srai_epi32(_mm256_slli_epi32(sc, 24 - 8 * e), 24);
+            const __m256i sb2 = _mm256_srai_epi32(_mm256_slli_epi32(sc, 16 - 8 * e), 24);
+            const __m256i pa = _mm256_or_si256(_mm256_and_si256(sa, lo16), _mm256_slli_epi32(sa, 16));  /* (s, s) */
+            const __m256i pb = _mm256_or_si256(_mm256_and_si256(sb2, lo16), _mm256_slli_epi32(sb2, 16));
+            const __m256i pab = _mm256_or_si256(_mm256_and_si256(sa, lo16), _mm256_slli_epi32(sb2, 16));  /* (s_a, s_b) */
+            const __m256 dk = d8;
+            __m256i w[8];
+            for (int jj = 0; jj < 8; jj++) {
+                const __m256i l = _mm256_loadu_si256((const __m256i *)(blk + 32 * (16 * n + 8 * (b % 2) + jj)));
+                const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 32 * (32 + 8 * n + jj)));
+                const __m256i low = b < 2 ? _mm256_and_si256(l, m4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
+                w[jj] = _mm256_or_si256(low, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * b), m3), 4));
+            }
+#pragma GCC unroll 4
+            for (int j = 0; j < rn; j++) {
+                const int64_t xb = (t0 + j) * nb + sb * 8 + k;
+                const int8_t *xq = a.q + xb * QK;
+                __m256i p[4];
+                for (int q = 0; q < 4; q++)  /* |two pairs| <= 2 * 2 * 63 * 127 = 32004 */
+                    p[q] = _mm256_add_epi16(_mm256_maddubs_epi16(w[2 * q], _mm256_set1_epi32(ld32(xq + 8 * q))),
+                                            _mm256_maddubs_epi16(w[2 * q + 1], _mm256_set1_epi32(ld32(xq + 8 * q + 4))));
+                __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p[0], pa), _mm256_madd_epi16(p[1], pa)),
+                                               _mm256_add_epi32(_mm256_madd_epi16(p[2], pb), _mm256_madd_epi16(p[3], pb)));
+                const uint32_t xs2 = ((uint32_t)a.s[2 * xb] & 0xffffu) | ((uint32_t)a.s[2 * xb + 1] << 16);
+                s32 = _mm256_sub_epi32(s32, _mm256_slli_epi32(_mm256_madd_epi16(pab, _mm256_set1_epi32((int)xs2)), 5));
+                acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s32), dk), _mm256_set1_ps(a.d[xb]), acc[j]);
+            }
+        }
+    }
+    for (int j = 0; j < rn; j++) _mm256_storeu_ps(out + 8 * j, acc[j]);
+}
+#endif
+
+/* groups [g0, g1) of y [T, N] for an x8 K-quant matrix (called with a constant qt): each group of
+ * 8 rows takes every tile of 4 tokens while its bytes are in cache; a token's numbers do not
+ * depend on the others in the call (each tile sums its blocks in order 0..nsb-1). */
+static inline __attribute__((always_inline)) void x8k_range_t(int qt, const uint8_t *W, int64_t K, int64_t N,
+                                                              acts_t a, const float *xm, int64_t T, float *y,
+                                                              int64_t g0, int64_t g1) {
+    const int64_t nsb = K / QKK, nb = K / QK, gb = 8 * block_bytes(qt);
+    for (int64_t g = g0; g < g1; g++) {
+        const uint8_t *base = W + g * nsb * gb;
+        for (int64_t t0 = 0; t0 < T; t0 += 4) {
+            const int rn = T - t0 >= 4 ? 4 : (int)(T - t0);
+            float acc[4][8];
+#ifdef PI_AVX2
+#define X8K_TILE(R) (qt == QT_Q6_K ? x8k6_tile(base, nsb, a, nb, t0, R, acc[0]) \
+                     : x8k45_tile(base, nsb, a, xm, nb, t0, R, qt == QT_Q5_K, acc[0]))
+            if (rn == 4) X8K_TILE(4);
+            else if (rn == 3) X8K_TILE(3);
+            else if (rn == 2) X8K_TILE(2);
+            else X8K_TILE(1);
+#undef X8K_TILE
+#else
+            (void)xm;
+            uint8_t row[210];
+            for (int i = 0; i < 8; i++) {
+                for (int j = 0; j < rn; j++) acc[j][i] = 0.f;
+                for (int64_t sb = 0; sb < nsb; sb++) {
+                    x8_row_bytes(qt, base + sb * gb, i, row);
+                    for (int j = 0; j < rn; j++) {
+                        act_t x1 = {NULL, a.q + (t0 + j) * K + sb * QKK, a.d + (t0 + j) * nb + sb * 8,
+                                    a.s + (t0 + j) * (K / 16) + sb * 16};
+                        acc[j][i] += row_dot(qt, row, x1, QKK);
+                    }
+                }
+            }
+#endif
+            for (int j = 0; j < rn; j++)
+                for (int i = 0; i < 8; i++) y[(t0 + j) * N + 8 * g + i] = acc[j][i];
+        }
+    }
+}
+
+static void x8k_range(int qt, const uint8_t *W, int64_t K, int64_t N, acts_t a, const float *xm, int64_t T,
+                      float *y, int64_t g0, int64_t g1) {
+    if (qt == QT_Q4_K) x8k_range_t(QT_Q4_K, W, K, N, a, xm, T, y, g0, g1);
+    else if (qt == QT_Q5_K) x8k_range_t(QT_Q5_K, W, K, N, a, xm, T, y, g0, g1);
+    else x8k_range_t(QT_Q6_K, W, K, N, a, xm, T, y, g0, g1);
+}
+
+/* y [T, N] = x [T, K] @ W.T for an x8 Q4_K/Q5_K/Q6_K matrix W (N a multiple of 8) */
+static int x8k_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x, int64_t T, float *y) {
+    const int64_t nb = K / QK, G = N / 8;
+    int ok;
+    const acts_t acts = prepare(qt, x, T, K, &ok);
+    if (!ok) return PI_ENOMEM;
+    float *xm = malloc((size_t)(T * nb + 1) * sizeof(float));
+    if (!xm) {
+        release(acts);
+        return PI_ENOMEM;
+    }  /* dx * sum(qx) per q8 block (the mins) */
+    for (int64_t i = 0; i < T * nb; i++) xm[i] = acts.d[i] * (float)(acts.s[2 * i] + acts.s[2 * i + 1]);
+    const int par = G * (K / QKK) * 8 * block_bytes(qt) >= PAR_MIN_BYTES && omp_get_max_threads() > 1;
+    #pragma omp parallel if (par)
+    {
+        int64_t g0, g1;
+        split(G, omp_get_num_threads(), omp_get_thread_num(), &g0, &g1);
+        x8k_range(qt, (const uint8_t *)W, K, N, acts, xm, T, y, g0, g1);
+    }
+    free(xm);
+    release(acts);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ 8-row groups of Q5_0 / Q5_1
+ * x8 as for the K-quants with the rows' fp16 d (Q5_1: d and m, 4 bytes) first: for group g and
+ * block b, 8 * bb bytes hold the 8 rows' leading 2 (4) bytes, row after row, then 5 chunks of 32
+ * bytes: chunk 0 the rows' 32-bit qh (lane i = row i), chunk 1 + c bytes 4c..4c+3 of each row's
+ * nibbles (values 4c..4c+3 low, 16 + 4c.. high; their 5th bits are bits 4c.. and 16 + 4c.. of qh).
+ * Per row the block sums are dot_q5's integers, scaled and summed in the same order. */
+
+#ifdef PI_AVX2
+/* 0x10 in byte e of lane i where bit (hi ? 16 : 0) + 4c + e of row i's qh is set */
+static inline __m256i q5x8_bits(__m256i qh, const int c, const int hi) {
+    const int bi = (hi ? 2 : 0) + c / 2, sh = 4 * (c % 2);
+    const __m256i ctrl = _mm256_add_epi8(_mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
+                                                          0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12),
+                                         _mm256_set1_epi8((char)bi));
+    const __m256i mask = _mm256_set1_epi32((int)(0x08040201u << sh));
+    const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(qh, ctrl), mask);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, mask), _mm256_set1_epi8(0x10));
+}
+
+static inline __attribute__((always_inline)) void x8q5_tile(const uint8_t *base, int64_t nb, acts_t a,
+                                                            const float *xm, int64_t t0, const int rn, const int q51,
+                                                            float *out) {
+    const int64_t head = q51 ? 4 : 2, gb = 8 * (q51 ? 24 : 22);
+    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = base + b * gb;
+        for (int64_t o = 0; o < gb; o += 64) __builtin_prefetch(blk + X8_AHEAD + o, 0, 3);
+        __m256 d8, m8 = _mm256_setzero_ps();
+        if (q51) {
+            const __m256i dm = _mm256_loadu_si256((const __m256i *)blk);
+            d8 = halves8(dm, 0);
+            m8 = halves8(dm, 1);
+        } else {
+            d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        }
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 8 * head));
+        __m256i w[8];
+        for (int c = 0; c < 4; c++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 8 * head + 32 * (1 + c)));
+            w[c] = _mm256_or_si256(_mm256_and_si256(raw, m4), q5x8_bits(qh, c, 0));
+            w[4 + c] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), q5x8_bits(qh, c, 1));
+        }
+#pragma GCC unroll 4
+        for (int j = 0; j < rn; j++) {
+            const int64_t xb = (t0 + j) * nb + b;
+            const int8_t *xq = a.q + xb * QK;
+            __m256i p = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(ld32(xq)));  /* |four pairs| <= 31496 */
+            __m256i q = _mm256_maddubs_epi16(w[4], _mm256_set1_epi32(ld32(xq + 16)));
+            for (int c = 1; c < 4; c++) {
+                p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[c], _mm256_set1_epi32(ld32(xq + 4 * c))));
+                q = _mm256_add_epi16(q, _mm256_maddubs_epi16(w[4 + c], _mm256_set1_epi32(ld32(xq + 16 + 4 * c))));
+            }
+            __m256i s32 = _mm256_add_epi32(_mm256_madd_epi16(p, ones), _mm256_madd_epi16(q, ones));
+            if (!q51) s32 = _mm256_sub_epi32(s32, _mm256_set1_epi32(16 * (a.s[2 * xb] + a.s[2 * xb + 1])));
+            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s32), d8), _mm256_set1_ps(a.d[xb]), acc[j]);
+            if (q51) acc[j] = _mm256_fmadd_ps(m8, _mm256_set1_ps(xm[xb]), acc[j]);
+        }
+    }
+    for (int j = 0; j < rn; j++) _mm256_storeu_ps(out + 8 * j, acc[j]);
+}
+#endif
+
+static inline __attribute__((always_inline)) void x8q5_range_t(int qt, const uint8_t *W, int64_t K, int64_t N,
+                                                               acts_t a, const float *xm, int64_t T, float *y,
+                                                               int64_t g0, int64_t g1) {
+    const int64_t nb = K / QK, gb = 8 * block_bytes(qt);
+    for (int64_t g = g0; g < g1; g++) {
+        const uint8_t *base = W + g * nb * gb;
+        for (int64_t t0 = 0; t0 < T; t0 += 4) {
+            const int rn = T - t0 >= 4 ? 4 : (int)(T - t0);
+            float acc[4][8];
+#ifdef PI_AVX2
+            const int q51 = qt == QT_Q5_1;
+            if (rn == 4) x8q5_tile(base, nb, a, xm, t0, 4, q51, acc[0]);
+            else if (rn == 3) x8q5_tile(base, nb, a, xm, t0, 3, q51, acc[0]);
+            else if (rn == 2) x8q5_tile(base, nb, a, xm, t0, 2, q51, acc[0]);
+            else x8q5_tile(base, nb, a, xm, t0, 1, q51, acc[0]);
+#else
+            (void)xm;
+            uint8_t row[24];
+            for (int i = 0; i < 8; i++)
+                for (int j = 0; j < rn; j++) {
+                    float s = 0.f;
+                    for (int64_t b = 0; b < nb; b++) {
+                        x8_row_bytes(qt, base + b * gb, i, row);
+                        const int64_t xb = (t0 + j) * nb + b;
+                        act_t x1 = {NULL, a.q + xb * QK, a.d + xb, a.s + 2 * xb};
+                        s += row_dot(qt, row, x1, QK);
+                    }
+                    acc[j][i] = s;
+                }
+#endif
+            for (int j = 0; j < rn; j++)
+                for (int i = 0; i < 8; i++) y[(t0 + j) * N + 8 * g + i] = acc[j][i];
+        }
+    }
+}
+
+/* y [T, N] = x [T, K] @ W.T for an x8 Q5_0/Q5_1 matrix W (N a multiple of 8) */
+static int x8q5_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x, int64_t T, float *y) {
+    const int64_t nb = K / QK, G = N / 8;
+    int ok;
+    const acts_t acts = prepare(qt, x, T, K, &ok);
+    if (!ok) return PI_ENOMEM;
+    float *xm = malloc((size_t)(T * nb + 1) * sizeof(float));
+    if (!xm) {
+        release(acts);
+        return PI_ENOMEM;
+    }  /* dx * sum(qx) per q8 block (Q5_1's m) */
+    for (int64_t i = 0; i < T * nb; i++) xm[i] = acts.d[i] * (float)(acts.s[2 * i] + acts.s[2 * i + 1]);
+    const int par = G * nb * 8 * block_bytes(qt) >= PAR_MIN_BYTES && omp_get_max_threads() > 1;
+    #pragma omp parallel if (par)
+    {
+        int64_t g0, g1;
+        split(G, omp_get_num_threads(), omp_get_thread_num(), &g0, &g1);
+        if (qt == QT_Q5_0) x8q5_range_t(QT_Q5_0, (const uint8_t *)W, K, N, acts, xm, T, y, g0, g1);
+        else x8q5_range_t(QT_Q5_1, (const uint8_t *)W, K, N, acts, xm, T, y, g0, g1);
+    }
+    free(xm);
+    release(acts);
+    return 0;
+}
+
+/* y [T, N] = x [T, K] @ W.T for an x8 Q4_0/Q8_0 (Q4_K/Q5_K/Q6_K: x8k_gemm; Q5_0/Q5_1: x8q5_gemm)
+ * matrix W (N a multiple of 8). */
 int pi_x8_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x, int64_t T, float *y) {
+    if (is_k(qt) || is_q5(qt)) return (is_k(qt) ? x8k_gemm : x8q5_gemm)(qt, W, N, K, x, T, y);
     const int64_t nb = K / QK, G = N / 8;
     int ok;
     const acts_t acts = prepare(qt, x, T, K, &ok);

@@ -9,10 +9,14 @@ on it, else in the compute dtype.
   tensor is converted into anonymous memory and the file pages it was read from are
   released from this process (``madvise(MADV_DONTNEED)``), so resident memory
   is the converted copy only, not converted copy + mapped file.
-* With the C kernels, matrices stored as Q4_0, Q8_0, Q4_K, Q6_K, f16 or bf16 stay in the
+* With the C kernels, matrices stored as Q4_0, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, f16 or bf16 stay in the
   memory map as :class:`QWeight` (:func:`load_matrix`), which the kernels compute on in
   place (f16 converted in registers by F16C, bf16 by a 16-bit shift): resident memory is
   the file size, and a 16-bit file is read at 2 bytes a weight on any AVX2 CPU.
+* Other block-quantized types (and every one with the torch backend) are dequantized at load,
+  by one rule (:func:`check_dequantized`, before anything is allocated): only when the copies
+  fit in available memory, with a warning giving their size; else the file is refused, the
+  type and the first such tensor named.
 * :func:`load_rows_into` fills a slice of a preallocated tensor (e.g. Q, K and
   V into one fused ``wqkv``), so fused layouts cost no extra copy either.
 
@@ -42,7 +46,6 @@ from ..quant.types import FLOAT_TYPES
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 log = logging.getLogger(__name__)
-_WARNED: set[str] = set()  # quantized types already reported as dequantized at load
 _PAGE = mmap.PAGESIZE
 _HUGE = 2 << 20
 _NATIVE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -202,11 +205,72 @@ def is_quantized(g: GGUFFile) -> bool:
     return any(t.tensor_type.name not in FLOAT_TYPES for t in g.tensors.values())
 
 
+def _computed_in_place(kind: str, ndim: int, mapped: bool) -> bool:
+    """True when a tensor of GGML type ``kind`` stays in the file's bytes (a :class:`QWeight` the
+    C kernels compute on): ``mapped`` (the C backend), a 2-D matrix of one of :data:`MAPPED_TYPES`."""
+    return mapped and kind in MAPPED_TYPES and ndim == 2
+
+
+def _dequantizable(t) -> bool:
+    """True when ``gguf``'s numpy dequantizers read tensor ``t``'s type."""
+    from gguf import GGML_QUANT_SIZES, quants
+
+    try:
+        quants.dequantize(np.zeros(GGML_QUANT_SIZES[t.tensor_type][1], np.uint8), t.tensor_type)
+    except (NotImplementedError, KeyError, ValueError):
+        return False
+    return True
+
+
+def check_dequantized(g: GGUFFile, dtype: torch.dtype, mapped: bool, available: int | None) -> int:
+    """The one rule for block-quantized tensors the kernels do not compute on (a type without a C
+    kernel, or every quantized tensor with the torch backend: ``mapped`` False): they are dequantized
+    to ``dtype`` at load only if all those copies fit in ``available`` bytes (None: unknown, taken as
+    fitting); then, with the C kernels, a warning gives the copies' size. Else PowerInferError naming
+    the first such tensor and its type, before anything is allocated; also for a type ``gguf`` cannot
+    dequantize either. Returns the copies' bytes (0 when every quantized tensor has a kernel)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    copies: dict[str, list] = {}  # type -> [first tensor, count, bytes]
+    for name, t in g.tensors.items():
+        kind = t.tensor_type.name
+        if kind in FLOAT_TYPES or _computed_in_place(kind, len(t.shape), mapped):
+            continue
+        if not _dequantizable(t):
+            raise PowerInferError(f"{g.path}: tensor {name!r} has type {kind}, which neither the kernels nor "
+                                  "gguf's dequantizers read: not supported")
+        c = copies.setdefault(kind, [name, 0, 0])
+        c[1] += 1
+        c[2] += int(np.prod([int(d) for d in t.shape])) * size
+    total = sum(c[2] for c in copies.values())
+    if not copies:
+        return 0
+    dt = str(dtype).removeprefix("torch.")
+    kind, (first, count, _) = next(iter(copies.items()))
+    if available is not None and total > available:
+        why = "has no kernel here" if mapped else "is dequantized by the torch backend"
+        n = sum(c[1] for c in copies.values())
+        others = f" (with the {n - 1} other tensors without a kernel)" if n > 1 else ""
+        raise PowerInferError(f"{g.path}: tensor {first!r} has type {kind}, which {why}; its {dt} copy{others} "
+                              f"needs {_mib(total)}, more than the {_mib(available)} of memory available")
+    if mapped:
+        for kind, (first, count, nbytes) in copies.items():
+            log.warning("%s: %d %s tensors (%s, ...) have no kernel here: dequantized to %s at load, %s "
+                        "(the file holds them in %s)", g.path, count, kind, first, dt, _mib(nbytes),
+                        _mib(sum(int(g.tensors[n].n_bytes) for n, tt in g.tensors.items()
+                                 if tt.tensor_type.name == kind)))
+    return total
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
 def load_matrix(g: GGUFFile, name: str, dtype: torch.dtype, mapped: bool, dense_use: bool = False):
     """A 2-D weight: a :class:`QWeight` view of the map when ``mapped`` and its type is one the
     kernels compute on (:data:`MAPPED_TYPES`: block-quantized, f16, bf16), else
     :func:`load_tensor` in ``dtype`` (a view of the map when the file stores ``dtype``: f32,
-    or bf16 computed in bf16 on a CPU with bf16 dot products).
+    or bf16 computed in bf16 on a CPU with bf16 dot products; a dequantized copy for a quantized
+    type without a kernel, which :func:`check_dequantized` allowed before the load began).
 
     ``dense_use``: the matrix is only used in dense products (never by rows), so a Q4_0 one
     is re-laid out in 8-row groups (``kernels.for_dense_products``; a copy in anonymous
@@ -218,12 +282,8 @@ def load_matrix(g: GGUFFile, name: str, dtype: torch.dtype, mapped: bool, dense_
     t = _tensor(g, name)
     kind = t.tensor_type.name
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-    if not mapped or kind not in MAPPED_TYPES or len(shape) != 2 or _NATIVE.get(kind) == dtype:
-        if mapped and kind not in FLOAT_TYPES and kind not in _WARNED:
-            _WARNED.add(kind)
-            log.warning("%s: %s tensors (%s, ...) have no kernel here: dequantized to %s at load, which "
-                        "takes more memory than the file", g.path, kind, name, str(dtype).removeprefix("torch."))
-        return load_tensor(g, name, dtype)
+    if not _computed_in_place(kind, len(shape), mapped) or _NATIVE.get(kind) == dtype:
+        return load_tensor(g, name, dtype)  # a quantized one: allowed by check_dequantized
     bt = MAPPED_TYPES[kind]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only map; weights are never written
