@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ..cli_params import FiniteFloat, check_ctx_size, check_threads, plural, rate, require_file, version_option
+from ..cli_params import (FiniteFloat, cache_type_options, check_cache_type, check_ctx_size, check_threads, plural,
+                          rate, require_file, version_option)
 from ..errors import PowerInferError, cli_errors
 from ..limits import MAX_BUDGET_GIB
 
@@ -188,17 +189,20 @@ def bench_report(model: "Transformer", st: "GenStats", path: str) -> str:
 @click.option("-sys", "--system-prompt", default=None, help="The system message for -cnv.")
 @click.option("--bench", is_flag=True,
               help="Greedy, ignore EOS, no text: report tokens/s, FFN share of decode time, active share.")
+@cache_type_options
 @version_option("pi-run")
 @cli_errors
 def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
          seed, ignore_eos, threads, dense, vram_budget, ram_budget, activation_dir, reset_gpu_index, disable_gpu_index, dtype,
-         kernel_backend, conversation, interactive, system_prompt, bench):
+         kernel_backend, conversation, interactive, system_prompt, bench, cache_type_k, cache_type_v):
     """Generate text with sparse FFNs: only the neurons the predictor marks active are computed."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     # every value and input file is checked before torch is imported (seconds on a cold start)
     check_sampler(n_predict, temp, top_k, top_p, seed, repeat_penalty, repeat_last_n, min_p)
     check_ctx_size(ctx_size)
     check_threads(threads)
+    check_cache_type(cache_type_k, "--cache-type-k")
+    check_cache_type(cache_type_v, "--cache-type-v")
     require_file(model_path)
     if prompt_file is not None:
         if click.get_current_context().get_parameter_source("prompt") == click.core.ParameterSource.COMMANDLINE:
@@ -225,7 +229,8 @@ def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_
     model, tok = open_for_inference(
         model_path, dtype=dtype, dense=dense, ctx_size=ctx_size, threads=threads, kernel_backend=kernel_backend,
         vram_budget=vram_budget, ram_budget=ram_budget, activation_dir=activation_dir, reset_gpu_index=reset_gpu_index,
-        disable_gpu_index=disable_gpu_index, note=lambda s: click.echo(s, err=True))
+        disable_gpu_index=disable_gpu_index, note=lambda s: click.echo(s, err=True), cache_type_k=cache_type_k,
+        cache_type_v=cache_type_v)
     sampler = SamplerSettings(temp, top_k, top_p, seed, repeat_penalty, repeat_last_n, min_p)
     if conversation:
         src = click.get_current_context().get_parameter_source("prompt")

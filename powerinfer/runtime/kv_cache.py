@@ -1,0 +1,118 @@
+"""The KV cache: keys and values of every layer and position, in a type of their own.
+
+llama.cpp keeps keys and values in f16 whatever the compute type (``-ctk``/``--cache-type-k`` and
+``-ctv``/``--cache-type-v`` choose another, default ``f16``); this runtime does the same: the
+compute dtype (f32 on AVX2 CPUs, bf16 with AVX512_BF16) is rounded to the cache type when a
+position is written, and read back
+
+* by the C decode attention (:func:`~powerinfer.runtime.kernels.attend_one`/``attend_many``) in
+  the cache's own bytes: f16 converted to fp32 in registers (F16C / AVX512F), bf16 by a 16-bit
+  shift, fp32 sums; no f32 copy of the cache is made per step;
+* by prompts (torch SDPA), which convert the span they read to the compute dtype.
+
+Types (:data:`~powerinfer.cli_params.KV_CACHE_TYPES`): ``f32``, ``f16``, ``bf16``. llama.cpp's
+quantized cache types (``q8_0``, ``q4_0``, ...) are refused with a message naming these.
+
+Shapes: ``[n_layer, n_ctx, Hkv, d]`` each for keys and values; ``Hkv`` = n_head_kv, ``d`` = head_dim.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..cli_params import DEFAULT_KV_CACHE_TYPE, KV_CACHE_TYPES, check_cache_type
+from ..errors import PowerInferError
+from .weights import zeros
+
+CACHE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+assert tuple(CACHE_DTYPES) == KV_CACHE_TYPES
+__all__ = ["KVCache", "CACHE_DTYPES", "DEFAULT_KV_CACHE_TYPE", "cache_dtype", "kv_dtypes", "available_memory", "size_text"]
+
+
+def cache_dtype(name: str | torch.dtype, flag: str = "--cache-type-k") -> torch.dtype:
+    """``f32`` | ``f16`` | ``bf16`` (or a torch dtype among them) -> torch dtype; PowerInferError
+    ``-ctk q4_1: unsupported KV cache type (supported: f32, f16, bf16)`` otherwise."""
+    if isinstance(name, torch.dtype):
+        if name not in CACHE_DTYPES.values():
+            raise PowerInferError(f"{flag} {name}: unsupported KV cache type (supported: {', '.join(KV_CACHE_TYPES)})")
+        return name
+    return CACHE_DTYPES[check_cache_type(name, flag)]
+
+
+def kv_dtypes(k: str | torch.dtype | None, v: str | torch.dtype | None,
+              default: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """``(key dtype, value dtype)``; None: ``default`` (a library caller's compute dtype)."""
+    return (default if k is None else cache_dtype(k, "--cache-type-k"),
+            default if v is None else cache_dtype(v, "--cache-type-v"))
+
+
+def size_text(nbytes: int) -> str:
+    """``512 MiB`` or ``2.0 GiB``."""
+    return f"{nbytes / 2**20:.0f} MiB" if nbytes < 2**30 else f"{nbytes / 2**30:.1f} GiB"
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the system could give now (MemAvailable; None where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _elem(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class KVCache:
+    """Keys ``k`` and values ``v`` for every layer and position: ``[n_layer, n_ctx, Hkv, d]`` each,
+    keys in ``dtype``, values in ``v_dtype`` (default ``dtype``; llama.cpp's ``-ctk``/``-ctv``).
+
+    Memory becomes resident as positions are written. Raises PowerInferError, before allocating,
+    when the whole cache would not fit the memory available now."""
+
+    @staticmethod
+    def nbytes(n_layer: int, n_ctx: int, n_head_kv: int, head_dim: int, dtype: torch.dtype,
+               v_dtype: torch.dtype | None = None) -> int:
+        """Bytes of keys (``dtype``) plus values (``v_dtype``, default ``dtype``) for ``n_ctx`` positions."""
+        per = n_layer * n_ctx * n_head_kv * head_dim
+        return per * (_elem(dtype) + _elem(v_dtype or dtype))
+
+    def __init__(self, n_layer: int, n_ctx: int, n_head_kv: int, head_dim: int, dtype: torch.dtype,
+                 v_dtype: torch.dtype | None = None):
+        dtype, v_dtype = cache_dtype(dtype), cache_dtype(v_dtype or dtype, "--cache-type-v")
+        nbytes = self.nbytes(n_layer, n_ctx, n_head_kv, head_dim, dtype, v_dtype)
+        avail = available_memory()
+        if avail is not None and nbytes > avail:
+            raise PowerInferError(f"the KV cache for a context of {n_ctx} tokens needs {nbytes / 2**30:.1f} GiB, "
+                                  f"more than the {avail / 2**30:.1f} GiB of memory available: ask for less with -c"
+                                  + (" or a smaller --cache-type-k/-v" if max(_elem(dtype), _elem(v_dtype)) > 2 else ""))
+        self.dtypes = (dtype, v_dtype)
+        # resident as positions are written, not all at once (a 4096-token f16 cache of a 7B is 2 GiB)
+        self.k = zeros((n_layer, n_ctx, n_head_kv, head_dim), dtype)
+        self.v = zeros((n_layer, n_ctx, n_head_kv, head_dim), v_dtype)
+        self._layers = [(self.k[i], self.v[i]) for i in range(n_layer)]  # views, made once (not per token)
+        self._cpu = list(range(n_layer))  # layers whose keys and values are rows of k, v
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s keys and values ``[n_ctx, Hkv, d]`` each, on the device that layer runs on."""
+        return self._layers[i]
+
+    def move_layers(self, ids: list[int], device: torch.device | str, dtype: torch.dtype) -> None:
+        """Keep layers ``ids``' keys and values on ``device`` in ``dtype`` (the device side's compute
+        dtype, what its attention reads; what they hold so far is copied); the CPU block shrinks to
+        the remaining layers, in the cache's own types."""
+        gone = set(ids) & set(self._cpu)
+        for i in gone:
+            k, v = self._layers[i]
+            self._layers[i] = (k.to(device, dtype, copy=True), v.to(device, dtype, copy=True))
+        self._cpu = [i for i in self._cpu if i not in gone]
+        if self._cpu:  # a new, smaller CPU block holding the remaining layers
+            self.k = torch.stack([self._layers[i][0] for i in self._cpu])
+            self.v = torch.stack([self._layers[i][1] for i in self._cpu])
+        else:
+            self.k, self.v = self.k[:0].clone(), self.v[:0].clone()
+        for r, i in enumerate(self._cpu):
+            self._layers[i] = (self.k[r], self.v[r])
