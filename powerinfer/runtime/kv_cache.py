@@ -102,12 +102,14 @@ class KVCache:
 
     def move_layers(self, ids: list[int], device: torch.device | str, dtype: torch.dtype) -> None:
         """Keep layers ``ids``' keys and values on ``device`` in ``dtype`` (the device side's compute
-        dtype, what its attention reads; what they hold so far is copied); the CPU block shrinks to
-        the remaining layers, in the cache's own types."""
+        dtype, what its SDPA reads; a CPU device keeps the cache's own types, which the C attention
+        reads); what they hold so far is copied. The CPU block shrinks to the remaining layers."""
         gone = set(ids) & set(self._cpu)
+        cpu = torch.device(device).type == "cpu"
         for i in gone:
             k, v = self._layers[i]
-            self._layers[i] = (k.to(device, dtype, copy=True), v.to(device, dtype, copy=True))
+            self._layers[i] = (k.to(device, k.dtype if cpu else dtype, copy=True),
+                               v.to(device, v.dtype if cpu else dtype, copy=True))
         self._cpu = [i for i in self._cpu if i not in gone]
         if self._cpu:  # a new, smaller CPU block holding the remaining layers
             self.k = torch.stack([self._layers[i][0] for i in self._cpu])

@@ -23,9 +23,10 @@ SMALL_MODEL_BYTES = 64 << 20  # below this many weight bytes per token, one thre
 def load_model(path: str, dtype: str = "f32", dense: bool = False, n_ctx: int | None = None,
                ram_budget: float | None = None, activation_dir: str | None = None,
                note: Callable[[str], None] | None = None, g: GGUFFile | None = None,
-               cache_type_k: str = DEFAULT_KV_CACHE_TYPE, cache_type_v: str = DEFAULT_KV_CACHE_TYPE):
+               cache_type_k: str | None = None, cache_type_v: str | None = None):
     """Open ``path`` and build the runtime model and its tokenizer (``dtype``: auto, bf16, f32;
-    ``cache_type_k``/``_v``: the KV cache's types, f16 by default as llama.cpp's ``-ctk``/``-ctv``).
+    ``cache_type_k``/``_v``: the KV cache's types, f32/f16/bf16, None: the compute dtype as
+    :class:`Transformer`; the front ends pass their ``-ctk``/``-ctv``, f16 by default).
 
     ``ram_budget`` (GiB): hot FFN neurons resident, cold ones read from the file
     (:mod:`.residency`, :mod:`.cold_rows`). ``g``: ``path`` already opened (validated once)."""
