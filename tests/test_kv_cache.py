@@ -203,3 +203,29 @@ def test_cli_default_is_f16_and_ctk_f32_gives_the_f32_numbers(tmp_path):
     for f32, t in ((False, "f16"), (True, "f32")):
         res = perplexity(Transformer(g, n_ctx=128, cache_type_k=t, cache_type_v=t), chunks, n_batch=16)
         assert got[f32] == round(res.ppl, 4), t
+
+
+def test_long_prompts_run_in_ubatches_and_query_blocks_with_the_same_logits(monkeypatch):
+    """A prompt longer than UBATCH runs as several passes, and SDPA in query blocks when the score
+    matrix would pass SDPA_SCORE_BYTES (prompt memory bounded as llama.cpp's n_ubatch bounds it):
+    the logits equal the one-pass ones up to GEMM rounding, the cache holds the same keys."""
+    import powerinfer.runtime.model as model_mod
+
+    g = open_gguf(need(GGUF))
+    ids = torch.tensor(json.loads((STORIES / "greedy_t0_256.ids.json").read_text())["generated_ids"][:150])
+    one = Transformer(g, n_ctx=256, cache_type_k="f16", cache_type_v="f16")
+    with torch.inference_mode():
+        want = one.forward(ids, 0, all_logits=True)
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(model_mod.F, "scaled_dot_product_attention", lambda q, *a, **k: calls.append(q.shape[1])
+                        or sdpa(q, *a, **k))
+    monkeypatch.setattr(model_mod, "UBATCH", 64)
+    monkeypatch.setattr(model_mod, "SDPA_SCORE_BYTES", 4 * 8 * 150 * 10)  # 8 heads x 150 keys: 10 rows a call
+    split = Transformer(g, n_ctx=256, cache_type_k="f16", cache_type_v="f16")
+    with torch.inference_mode():
+        got = split.forward(ids, 0, all_logits=True)
+    assert got.shape == want.shape and (got - want).abs().max().item() < 1e-4
+    # every query row once per layer (5), in calls of at most 64 // (keys / 10) rows: 64 keys -> 23 rows
+    assert sum(calls) == 150 * 5 and max(calls) == 23 and len(calls) > 3 * 5
+    assert (split.cache.k[:, :150].float() - one.cache.k[:, :150].float()).abs().max() < 1e-3

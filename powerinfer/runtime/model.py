@@ -39,6 +39,12 @@ from .kv_cache import KVCache, kv_dtypes, size_text as _size
 from .weights import dense_layout, is_quantized, load_concat, load_matrix, load_tensor, stack_rows, tensor_shape, zeros
 
 DEFAULT_CTX = 4096  # context when none is asked for, if the model's is longer (llama.cpp's default too)
+# Prompt memory, bounded as llama.cpp bounds it (its n_ubatch): a forward pass takes at most UBATCH
+# tokens (longer calls run in consecutive passes, the same numbers per token up to GEMM rounding), and
+# SDPA takes query rows in blocks whose score matrix [Hq, rows, keys] fp32 stays within
+# SDPA_SCORE_BYTES (CPU SDPA materialises it, and its softmax: ~1 GB at 1940 tokens of a 7B otherwise).
+UBATCH = 512
+SDPA_SCORE_BYTES = 32 << 20
 log = logging.getLogger(__name__)
 
 
@@ -337,8 +343,13 @@ class Transformer:
             mask = kpos <= qpos
             if W:
                 mask &= kpos > qpos - W
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=mask,
-                                           enable_gqa=a.n_head != a.n_head_kv)  # [Hq, T, d]
+        qt = q.transpose(0, 1)  # [Hq, T, d]
+        rows = max(1, SDPA_SCORE_BYTES // (4 * a.n_head * (S - k0)))  # query rows per SDPA call
+        o = torch.cat([F.scaled_dot_product_attention(qt[:, r:r + rows], kk, vv,
+                                                      attn_mask=None if mask is None else mask[r:r + rows],
+                                                      enable_gqa=a.n_head != a.n_head_kv)
+                       for r in range(0, T, rows)], dim=1) if T > rows else \
+            F.scaled_dot_product_attention(qt, kk, vv, attn_mask=mask, enable_gqa=a.n_head != a.n_head_kv)
         return linear(o.transpose(0, 1).reshape(T, a.n_head * hd), layer.wo, layer.bo)
 
     def _ffn(self, i: int, layer: Layer, h: torch.Tensor, xn: torch.Tensor) -> torch.Tensor:
@@ -350,11 +361,15 @@ class Transformer:
         """Run ``tokens`` (LongTensor ``[T]``) at positions ``pos..pos+T-1``.
 
         Returns logits ``[T, V]`` if ``all_logits`` else ``[V]`` for the last token,
-        in float32. Raises PowerInferError when the context would overflow.
+        in float32. More than :data:`UBATCH` tokens run as consecutive passes of at most that many.
+        Raises PowerInferError when the context would overflow.
         """
         T = tokens.shape[0]
         if pos + T > self.n_ctx:
             raise PowerInferError(f"{pos + T} tokens exceed the context length {self.n_ctx}")
+        if T > UBATCH:  # activations of UBATCH tokens at a time (llama.cpp's n_ubatch), not of the whole prompt
+            outs = [self.forward(tokens[i:i + UBATCH], pos + i, all_logits) for i in range(0, T, UBATCH)]
+            return torch.cat(outs) if all_logits else outs[-1]
         if self.before_forward is not None:
             self.before_forward()
         x = embed(self.tok_embd, tokens).to(self.dtype)  # [T, D]
