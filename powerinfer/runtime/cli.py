@@ -101,6 +101,14 @@ def _threads() -> str:
     return f"{n} thread{'s' if n > 1 else ''}"
 
 
+def _kv_types(model: "Transformer") -> str:
+    """``f16`` (keys and values alike) or ``f16/f32`` (keys/values): the KV cache's types."""
+    from .kv_cache import type_name
+
+    k, v = (type_name(t) for t in model.cache_dtypes)
+    return k if k == v else f"{k}/{v}"
+
+
 def bench_report(model: "Transformer", st: "GenStats", path: str) -> str:
     """The ``--bench`` summary: speed, where decode time goes, sparsity, bytes per token."""
     from . import kernels
@@ -113,7 +121,8 @@ def bench_report(model: "Transformer", st: "GenStats", path: str) -> str:
     ws = (model.layers[0].wqkv, getattr(ffn, "up", None), getattr(ffn, "fc1", None))  # a HybridFFN has neither
     types = dict.fromkeys(weight_type(w) for w in ws if w is not None)
     lines = [f"bench: {path} ({model.args.family.name}, {mode}, weights {'/'.join(types)} computed in "
-             f"{str(model.dtype).removeprefix('torch.')}, kernels {kernels.backend()}, {_threads()})",
+             f"{str(model.dtype).removeprefix('torch.')}, kernels {kernels.backend()}, {_threads()}, "
+             f"KV cache {_kv_types(model)})",
              f"prompt: {plural(st.n_prompt, 'token')} in {st.t_prompt * 1e3:.1f} ms{rate(st.n_prompt, st.t_prompt)}"]
     if st.t_steps:
         tps = sorted(1.0 / t for t in st.t_steps)

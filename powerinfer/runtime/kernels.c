@@ -7,7 +7,8 @@
  *
  * dt 0: f32 weights, f32 activations. dt 1: bf16 weights, bf16 activations (a bf16 model
  * keeps its activations in bf16, so nothing is rounded here), multiplied with AVX512_BF16
- * dot-product instructions and summed in fp32. Results are always f32.
+ * dot-product instructions and summed in fp32. Results are always f32. Decode attention
+ * (pi_attend_one/many) takes an f32 query and reads the KV cache in its own types (f32, bf16, f16).
  *
  * Gathers visit the active rows in index order and prefetch the row `pfd` positions ahead
  * while reading the current one: scattered 8 KB rows then keep enough memory requests in

@@ -7,7 +7,8 @@ speed limit is the bytes of weights read per token. Three operations cover it:
 * :func:`rows_dot`: dot products of ``x`` with the active rows of gate and up, read
   straight from the weight matrices (no gathered copy);
 * :func:`rows_axpy`: ``sum_i coef[i] * down_t[idx[i]]``, one AXPY per active neuron;
-* :func:`attend_one`: one query token against the KV cache (decode attention);
+* :func:`attend_one`: one query token against the KV cache (decode attention), keys and values
+  read in the cache's own type (f32, f16 or bf16, :mod:`.kv_cache`), converted in registers;
 * :func:`rows_dot_multi`, :func:`rows_axpy_multi`: the row ops for several tokens over the
   union of their rows, each row read once (batched decoding, ``runtime/batch.py``), each
   token's numbers those of the one-token op.

@@ -25,7 +25,7 @@ from .weights import zeros
 
 CACHE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 assert tuple(CACHE_DTYPES) == KV_CACHE_TYPES
-__all__ = ["KVCache", "CACHE_DTYPES", "DEFAULT_KV_CACHE_TYPE", "cache_dtype", "kv_dtypes", "available_memory", "size_text"]
+__all__ = ["KVCache", "CACHE_DTYPES", "DEFAULT_KV_CACHE_TYPE", "cache_dtype", "type_name", "kv_dtypes", "available_memory", "size_text"]
 
 
 def cache_dtype(name: str | torch.dtype, flag: str = "--cache-type-k") -> torch.dtype:
@@ -36,6 +36,11 @@ def cache_dtype(name: str | torch.dtype, flag: str = "--cache-type-k") -> torch.
             raise PowerInferError(f"{flag} {name}: unsupported KV cache type (supported: {', '.join(KV_CACHE_TYPES)})")
         return name
     return CACHE_DTYPES[check_cache_type(name, flag)]
+
+
+def type_name(dtype: torch.dtype) -> str:
+    """``f32`` / ``f16`` / ``bf16``: the ``-ctk``/``-ctv`` name of a cache dtype."""
+    return next(n for n, t in CACHE_DTYPES.items() if t == dtype)
 
 
 def kv_dtypes(k: str | torch.dtype | None, v: str | torch.dtype | None,
