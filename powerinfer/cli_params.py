@@ -28,7 +28,7 @@ __all__ = ["FiniteFloat", "check_threads", "check_ctx_size", "require_file", "re
            "check_cache_type", "cache_type_options"]
 
 # KV cache types (runtime/kv_cache.py): llama.cpp's names; its default is f16 whatever the compute type
-KV_CACHE_TYPES = ("f32", "f16", "bf16")
+KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0")
 DEFAULT_KV_CACHE_TYPE = "f16"
 
 
@@ -67,7 +67,7 @@ def check_ctx_size(ctx_size: int, zero: str = "the model's context length") -> i
 
 def check_cache_type(name: str, flag: str = "--cache-type-k") -> str:
     """``-ctk``/``-ctv``: one of :data:`KV_CACHE_TYPES` (case as llama.cpp: lower); raises PowerInferError
-    ``--cache-type-k q4_1: unsupported KV cache type (supported: f32, f16, bf16)`` otherwise."""
+    ``--cache-type-k q4_1: unsupported KV cache type (supported: f32, f16, bf16, q8_0)`` otherwise."""
     if name not in KV_CACHE_TYPES:
         raise PowerInferError(f"{flag} {name}: unsupported KV cache type (supported: {', '.join(KV_CACHE_TYPES)})")
     return name

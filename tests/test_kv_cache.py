@@ -20,7 +20,7 @@ from powerinfer.runtime.kv_cache import KVCache, cache_dtype
 from powerinfer.runtime.model import Transformer
 from powerinfer.runtime.weights import weight_nbytes
 
-F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+F16, BF16, F32, Q8 = torch.float16, torch.bfloat16, torch.float32, torch.uint8  # uint8: q8_0 bytes
 GGUF = STORIES / "stories260K.ggml-org.gguf"  # llama.cpp's own file: 5 layers, 4 KV heads of 8
 
 
@@ -170,9 +170,10 @@ def test_unsupported_types_are_refused_in_one_line(tmp_path):
         for flag, name in (("-ctk", "--cache-type-k"), ("-ctv", "--cache-type-v")):
             r = CliRunner().invoke(cmd, ["-m", str(missing), *extra, flag, "q4_1"])
             assert r.exit_code == 1, r.output
-            assert r.output.strip() == f"Error: {name} q4_1: unsupported KV cache type (supported: f32, f16, bf16)"
-    with pytest.raises(PowerInferError, match="--cache-type-v q8_0: unsupported KV cache type"):
-        cache_dtype("q8_0", "--cache-type-v")
+            assert r.output.strip() == \
+                f"Error: {name} q4_1: unsupported KV cache type (supported: f32, f16, bf16, q8_0)"
+    with pytest.raises(PowerInferError, match="--cache-type-v iq4_nl: unsupported KV cache type"):
+        cache_dtype("iq4_nl", "--cache-type-v")
     with pytest.raises(PowerInferError, match="unsupported KV cache type"):
         Transformer(open_gguf(need(GGUF)), n_ctx=16, cache_type_k="q4_0")
 
@@ -229,3 +230,67 @@ def test_long_prompts_run_in_ubatches_and_query_blocks_with_the_same_logits(monk
     # every query row once per layer (5), in calls of at most 64 // (keys / 10) rows: 64 keys -> 23 rows
     assert sum(calls) == 150 * 5 and max(calls) == 23 and len(calls) > 3 * 5
     assert (split.cache.k[:, :150].float() - one.cache.k[:, :150].float()).abs().max() < 1e-3
+
+
+# ---------------------------------------------------------------------------- q8_0
+@pytest.mark.parametrize("kt,vt", [(Q8, Q8), (Q8, F16), (F32, Q8)])
+@pytest.mark.parametrize("n_head,n_head_kv,head_dim,n_pos", [(8, 2, 64, 70), (4, 4, 32, 1), (6, 3, 128, 33)])
+def test_attention_over_a_q8_0_cache_equals_attention_on_the_dequantized_values(lib, kt, vt, n_head, n_head_kv,
+                                                                                 head_dim, n_pos):
+    """q8_0 keys/values (ggml's 34-byte blocks) read in place equal attention over their dequantized
+    values (native and scalar builds, GQA, mixed with another type, a window of the cache)."""
+    from powerinfer.runtime.kv_cache import dequantize_q8_0, quantize_q8_0
+
+    g = torch.Generator().manual_seed(n_pos + head_dim)
+    raw = [torch.randn(n_pos + 4, n_head_kv, head_dim, generator=g) for _ in range(2)]
+    ck, cv = (quantize_q8_0(x) if t == Q8 else x.to(t) for x, t in zip(raw, (kt, vt)))
+    deq = [dequantize_q8_0(c) if c.dtype == Q8 else c.float() for c in (ck, cv)]
+    q = torch.randn(n_head, head_dim, generator=g)
+    got = kernels.attend_one(q, ck[2:2 + n_pos], cv[2:2 + n_pos])
+    assert (got.double() - _ref(q, deq[0][2:2 + n_pos], deq[1][2:2 + n_pos])).abs().max().item() < 1e-5
+    many = kernels.attend_many(torch.stack([q, -q]), [ck[2:2 + n_pos], ck], [cv[2:2 + n_pos], cv])
+    assert torch.equal(many[0], got) and torch.equal(many[1], kernels.attend_one(-q, ck, cv))
+
+
+def test_q8_0_blocks_are_ggml_blocks():
+    """Hand-computed block: scale = amax / 127 as f16 (little-endian) first, then round(x / scale) int8."""
+    from powerinfer.runtime.kv_cache import dequantize_q8_0, quantize_q8_0
+
+    x = torch.zeros(32)
+    x[0], x[1], x[2] = 2.54, -1.27, 0.5  # scale 0.02: 127, -64 (-63.5 rounds to even), 25
+    raw = quantize_q8_0(x)
+    assert raw.shape == (34,) and raw.dtype == torch.uint8
+    assert raw[:2].view(F16).item() == torch.tensor(0.02, dtype=F16).item()
+    assert raw[2:5].view(torch.int8).tolist() == [127, -64, 25] and not raw[5:].any()
+    assert dequantize_q8_0(raw)[:3].tolist() == pytest.approx([127 * 0.02, -64 * 0.02, 25 * 0.02], rel=1e-3)
+    assert not dequantize_q8_0(quantize_q8_0(torch.zeros(64))).any()  # an all-zero block: scale 0, no NaN
+
+
+def test_q8_0_cache_model_decodes_close_to_f16_and_batches_exactly(tmp_path):
+    """A tiny Llama with head_dim 32: logits with a q8_0 cache near the f32 cache's (further than f16's), the bytes
+    34/32 per value, batched decode equal to alone; head_dim 8 (stories260K) is refused in one line."""
+    from helpers import make_tiny_llama
+    from powerinfer.convert.writer import convert
+
+    hf = make_tiny_llama(tmp_path / "hf", n_layer=2, n_embd=128, n_ff=256, n_head=4, n_head_kv=2, hidden_act="silu")
+    g = open_gguf(convert(hf, tmp_path / "m.gguf", outtype="f32", progress=False))
+    ids = torch.tensor([1, 403, 407, 261, 300, 301, 302, 303, 304, 305, 432, 383])
+    out = {}
+    for t in ("f32", "f16", "q8_0"):
+        m = Transformer(g, n_ctx=64, cache_type_k=t, cache_type_v=t)
+        with torch.inference_mode():
+            pre = m.forward(ids[:6], 0, all_logits=True)
+            out[t] = torch.cat([pre] + [m.forward(ids[p:p + 1], p)[None] for p in range(6, len(ids))])
+        if t == "q8_0":
+            assert weight_nbytes(m.cache.k) + weight_nbytes(m.cache.v) == 2 * 2 * 64 * 2 * 34
+    d8, d16 = ((out[t] - out["f32"]).abs().max().item() for t in ("q8_0", "f16"))
+    top = out["f32"].abs().max().item()  # 8.8 here; q8_0 (8 bits per block of 32) lands at 0.22, f16 at 0.009
+    assert d16 < d8 < 0.05 * top, (d16, d8, top)
+    m = Transformer(g, n_ctx=128, cache_type_k="q8_0", cache_type_v="q8_0")  # the helpers' 128-token caches
+    prompts = [[1, 403, 407], [1, 300, 301, 302, 303]]
+    want = [alone(m, p, 8) for p in prompts]
+    toks, logits, _ = batched(m, prompts, 8, "per-seq", start=[0, 2])
+    for b in range(2):
+        assert toks[b] == want[b][0] and torch.equal(logits[b], want[b][1])
+    with pytest.raises(PowerInferError, match=r"^--cache-type-v q8_0: head_dim 8 is not a multiple of 32"):
+        Transformer(open_gguf(need(GGUF)), n_ctx=16, cache_type_v="q8_0")

@@ -43,7 +43,7 @@ from ..errors import PowerInferError
 from ..quant.qweight import QWeight
 from . import kernels
 from .kernels import attend_many, embed, linear
-from .kv_cache import KVCache
+from .kv_cache import KVCache, store
 from .model import Layer, Transformer
 
 # Union rows from this batch size on, per-sequence rows below it (measured with
@@ -213,8 +213,8 @@ class BatchDecoder:
             q, k = m.rope(q, cos, sin), m.rope(k, cos, sin)
         for b, (cache, pos) in enumerate(zip(caches, positions)):  # every entry's keys and values first
             ck, cv = cache.layer(i)
-            ck[pos] = k[b]
-            cv[pos] = v[b]
+            store(ck, pos, k[b:b + 1])
+            store(cv, pos, v[b:b + 1])
         rows = range(B) if keep is None else keep.tolist()
         if not rows:
             return x[:0]

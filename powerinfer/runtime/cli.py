@@ -121,8 +121,8 @@ def bench_report(model: "Transformer", st: "GenStats", path: str) -> str:
     ws = (model.layers[0].wqkv, getattr(ffn, "up", None), getattr(ffn, "fc1", None))  # a HybridFFN has neither
     types = dict.fromkeys(weight_type(w) for w in ws if w is not None)
     lines = [f"bench: {path} ({model.args.family.name}, {mode}, weights {'/'.join(types)} computed in "
-             f"{str(model.dtype).removeprefix('torch.')}, kernels {kernels.backend()}, {_threads()}, "
-             f"KV cache {_kv_types(model)})",
+             f"{str(model.dtype).removeprefix('torch.')}, KV cache {_kv_types(model)}, kernels {kernels.backend()}, "
+             f"{_threads()})",
              f"prompt: {plural(st.n_prompt, 'token')} in {st.t_prompt * 1e3:.1f} ms{rate(st.n_prompt, st.t_prompt)}"]
     if st.t_steps:
         tps = sorted(1.0 / t for t in st.t_steps)

@@ -8,7 +8,7 @@
  * dt 0: f32 weights, f32 activations. dt 1: bf16 weights, bf16 activations (a bf16 model
  * keeps its activations in bf16, so nothing is rounded here), multiplied with AVX512_BF16
  * dot-product instructions and summed in fp32. Results are always f32. Decode attention
- * (pi_attend_one/many) takes an f32 query and reads the KV cache in its own types (f32, bf16, f16).
+ * (pi_attend_one/many) takes an f32 query and reads the KV cache in its own types (f32, bf16, f16, q8_0).
  *
  * Gathers visit the active rows in index order and prefetch the row `pfd` positions ahead
  * while reading the current one: scattered 8 KB rows then keep enough memory requests in
@@ -211,9 +211,10 @@ void pi_axpy_rows(int dt, const void *W, const int64_t *idx, const float *coef, 
 
 /* ---------------------------------------------------------------- decode attention
  * The KV cache is kept in its own type (runtime/kv_cache.py, llama.cpp's -ctk/-ctv), keys and
- * values each one of: 0 f32, 1 bf16, 2 f16. The query is f32; cache values are converted to f32 in
- * registers as they are read (f16: VCVTPH2PS, AVX512F or F16C; bf16: a 16-bit shift) and every
- * product is summed in f32. Nothing is copied out of the cache. */
+ * values each one of: 0 f32, 1 bf16, 2 f16, 3 q8_0 (per 32 values an f16 scale then 32 int8, 34
+ * bytes: ggml's block_q8_0). The query is f32; cache values are converted to f32 in registers as
+ * they are read (f16: VCVTPH2PS, AVX512F or F16C; bf16: a 16-bit shift; q8_0: int8 -> f32 times
+ * the block's scale) and every product is summed in f32. Nothing is copied out of the cache. */
 static inline float f16_to_f32(uint16_t h) {
 #if defined(__F16C__)
     return _cvtsh_ss(h);
@@ -262,8 +263,60 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
+/* Bytes of one head's row of d values in cache type t. */
+static inline int64_t kv_row_bytes(int t, int64_t d) { return t == 3 ? d / 32 * 34 : d * (t == 0 ? 4 : 2); }
+
+static inline float q8_scale(const uint8_t *blk) { return f16_to_f32((uint16_t)(blk[0] | (blk[1] << 8))); }
+
+/* q . row over d values (d a multiple of 32) of a q8_0 row: per block, scale * sum q[e] * int8[e] */
+static inline float kv_dot_q8(const float *q, const uint8_t *row, int64_t d) {
+    float acc = 0.f;
+    for (int64_t b = 0; b < d / 32; b++, q += 32, row += 34) {
+        const int8_t *qs = (const int8_t *)(row + 2);
+        float bs = 0.f;
+#if defined(__AVX512F__)
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs))));
+        a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16),
+                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16)))), a);
+        bs = _mm512_reduce_add_ps(a);
+#elif defined(KV_AVX2)
+        __m256 a = _mm256_setzero_ps();
+        for (int j = 0; j < 32; j += 8)
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(q + j),
+                                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs + j)))), a);
+        bs = hsum8(a);
+#else
+        for (int j = 0; j < 32; j++) bs += q[j] * (float)qs[j];
+#endif
+        acc += q8_scale(row) * bs;
+    }
+    return acc;
+}
+
+/* o[e] += p * row[e] for e < d of a q8_0 row */
+static inline void kv_axpy_q8(float *o, float p, const uint8_t *row, int64_t d) {
+    for (int64_t b = 0; b < d / 32; b++, o += 32, row += 34) {
+        const int8_t *qs = (const int8_t *)(row + 2);
+        const float c = p * q8_scale(row);
+#if defined(__AVX512F__)
+        const __m512 cv = _mm512_set1_ps(c);
+        for (int j = 0; j < 32; j += 16)
+            _mm512_storeu_ps(o + j, _mm512_fmadd_ps(cv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128((const __m128i *)(qs + j)))), _mm512_loadu_ps(o + j)));
+#elif defined(KV_AVX2)
+        const __m256 cv = _mm256_set1_ps(c);
+        for (int j = 0; j < 32; j += 8)
+            _mm256_storeu_ps(o + j, _mm256_fmadd_ps(cv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                _mm_loadl_epi64((const __m128i *)(qs + j)))), _mm256_loadu_ps(o + j)));
+#else
+        for (int j = 0; j < 32; j++) o[j] += c * (float)qs[j];
+#endif
+    }
+}
+
 /* q . row over d values: q f32, row of cache type t; f32 sums */
 static inline float kv_dot(const float *q, const void *row, int64_t d, int t) {
+    if (t == 3) return kv_dot_q8(q, (const uint8_t *)row, d);
     int64_t e = 0;
     float acc = 0.f;
 #if defined(__AVX512F__)
@@ -289,6 +342,10 @@ static inline float kv_dot(const float *q, const void *row, int64_t d, int t) {
 
 /* o[e] += p * row[e] for e < d: row of cache type t */
 static inline void kv_axpy(float *o, float p, const void *row, int64_t d, int t) {
+    if (t == 3) {
+        kv_axpy_q8(o, p, (const uint8_t *)row, d);
+        return;
+    }
     int64_t e = 0;
 #if defined(__AVX512F__)
     const __m512 pv = _mm512_set1_ps(p);
@@ -301,18 +358,18 @@ static inline void kv_axpy(float *o, float p, const void *row, int64_t d, int t)
 }
 
 /* One query token against the KV cache (decode attention), softmax(q k^T * scale) v per head,
- * heads [h0, h1). q [Hq, d] f32; K [S, Hkv, d] of type kt and V of type vt (position stride `ps`
- * elements, the same for both); scores [Hq, S] and out [Hq, d] f32. Query head h reads KV head
- * h / (Hq / Hkv) (grouped-query attention). */
+ * heads [h0, h1). q [Hq, d] f32; K [S, Hkv, *] of type kt and V of type vt, each head's d values
+ * one row (kv_row_bytes), positions `kps` / `vps` bytes apart; scores [Hq, S] and out [Hq, d] f32.
+ * Query head h reads KV head h / (Hq / Hkv) (grouped-query attention). */
 static inline void attend_heads(int kt, int vt, const float *q, const char *K, const char *V, int64_t S, int64_t Hq,
-                                int64_t Hkv, int64_t d, int64_t ps, float scale, float *scores, float *out,
-                                int64_t h0, int64_t h1) {
+                                int64_t Hkv, int64_t d, int64_t kps, int64_t vps, float scale, float *scores,
+                                float *out, int64_t h0, int64_t h1) {
     /* position-major loops: the cache is read in memory order, one position's heads at a time */
-    const int kes = kt == 0 ? 4 : 2, ves = vt == 0 ? 4 : 2;
+    const int64_t krb = kv_row_bytes(kt, d), vrb = kv_row_bytes(vt, d);
     const int64_t group = Hq / Hkv;
     for (int64_t s = 0; s < S; s++)
         for (int64_t h = h0; h < h1; h++)
-            scores[h * S + s] = scale * kv_dot(q + h * d, K + (s * ps + h / group * d) * kes, d, kt);
+            scores[h * S + s] = scale * kv_dot(q + h * d, K + s * kps + h / group * krb, d, kt);
     for (int64_t h = h0; h < h1; h++) {
         float *sc = scores + h * S, mx = -INFINITY, sum = 0.f;
         for (int64_t s = 0; s < S; s++) mx = sc[s] > mx ? sc[s] : mx;
@@ -322,31 +379,33 @@ static inline void attend_heads(int kt, int vt, const float *q, const char *K, c
     }
     for (int64_t s = 0; s < S; s++)
         for (int64_t h = h0; h < h1; h++)
-            kv_axpy(out + h * d, scores[h * S + s], V + (s * ps + h / group * d) * ves, d, vt);
+            kv_axpy(out + h * d, scores[h * S + s], V + s * vps + h / group * vrb, d, vt);
 }
 
 /* each (key type, value type) pair gets its own specialised loops */
 #define ATTEND_CASE(a, b) \
-    case (a) * 3 + (b): attend_heads(a, b, q, K, V, S, Hq, Hkv, d, ps, scale, scores, out, h0, h1); break;
+    case (a) * 4 + (b): attend_heads(a, b, q, K, V, S, Hq, Hkv, d, kps, vps, scale, scores, out, h0, h1); break;
 static void attend_any(int kt, int vt, const float *q, const char *K, const char *V, int64_t S, int64_t Hq, int64_t Hkv,
-                       int64_t d, int64_t ps, float scale, float *scores, float *out, int64_t h0, int64_t h1) {
-    switch (kt * 3 + vt) {
-        ATTEND_CASE(0, 0) ATTEND_CASE(0, 1) ATTEND_CASE(0, 2)
-        ATTEND_CASE(1, 0) ATTEND_CASE(1, 1) ATTEND_CASE(1, 2)
-        ATTEND_CASE(2, 0) ATTEND_CASE(2, 1) ATTEND_CASE(2, 2)
+                       int64_t d, int64_t kps, int64_t vps, float scale, float *scores, float *out, int64_t h0,
+                       int64_t h1) {
+    switch (kt * 4 + vt) {
+        ATTEND_CASE(0, 0) ATTEND_CASE(0, 1) ATTEND_CASE(0, 2) ATTEND_CASE(0, 3)
+        ATTEND_CASE(1, 0) ATTEND_CASE(1, 1) ATTEND_CASE(1, 2) ATTEND_CASE(1, 3)
+        ATTEND_CASE(2, 0) ATTEND_CASE(2, 1) ATTEND_CASE(2, 2) ATTEND_CASE(2, 3)
+        ATTEND_CASE(3, 0) ATTEND_CASE(3, 1) ATTEND_CASE(3, 2) ATTEND_CASE(3, 3)
         default: break;
     }
 }
 
 /* n queries of a batch, each against its own KV cache (decode attention of several sequences, or
  * of several positions of one): q [n, Hq, d] f32; Ks[i], Vs[i]: entry i's first visible position
- * (keys of type kt, values of type vt), S[i] positions from there, position stride ps elements (as
- * pi_attend_one); scores: scratch [n, Hq, Smax] f32; out [n, Hq, d] f32. Entry i gets exactly
+ * (keys of type kt, values of type vt), S[i] positions from there, positions kps / vps bytes apart
+ * (as pi_attend_one; d a multiple of 32 for q8_0); scores: scratch [n, Hq, Smax] f32; out [n, Hq, d] f32. Entry i gets exactly
  * pi_attend_one's numbers (each head is computed alone, whichever thread takes it); one call shares
  * the threads over every (entry, head) pair instead of one small parallel region per entry. */
 void pi_attend_many(int kt, int vt, int64_t n, const float *q, const void *const *Ks, const void *const *Vs,
-                    const int64_t *S, int64_t Smax, int64_t Hq, int64_t Hkv, int64_t d, int64_t ps, float scale,
-                    float *scores, float *out) {
+                    const int64_t *S, int64_t Smax, int64_t Hq, int64_t Hkv, int64_t d, int64_t kps, int64_t vps,
+                    float scale, float *scores, float *out) {
     int64_t work = 0;
     for (int64_t i = 0; i < n; i++) work += S[i];
     const int par = work * Hq * d >= PAR_MIN / 4 && omp_get_max_threads() > 1;
@@ -357,13 +416,13 @@ void pi_attend_many(int kt, int vt, int64_t n, const float *q, const void *const
         for (int64_t i = u0 / Hq; i < n && i * Hq < u1; i++) {
             const int64_t h0 = u0 > i * Hq ? u0 - i * Hq : 0, h1 = u1 < (i + 1) * Hq ? u1 - i * Hq : Hq;
             attend_any(kt, vt, q + i * Hq * d, (const char *)Ks[i], (const char *)Vs[i], S[i], Hq, Hkv,
-                       d, ps, scale, scores + i * Hq * Smax, out + i * Hq * d, h0, h1);
+                       d, kps, vps, scale, scores + i * Hq * Smax, out + i * Hq * d, h0, h1);
         }
     }
 }
 
 /* one query: pi_attend_many of one entry (the same threads over its heads) */
 void pi_attend_one(int kt, int vt, const float *q, const void *K, const void *V, int64_t S, int64_t Hq, int64_t Hkv,
-                   int64_t d, int64_t ps, float scale, float *scores, float *out) {
-    pi_attend_many(kt, vt, 1, q, &K, &V, &S, S, Hq, Hkv, d, ps, scale, scores, out);
+                   int64_t d, int64_t kps, int64_t vps, float scale, float *scores, float *out) {
+    pi_attend_many(kt, vt, 1, q, &K, &V, &S, S, Hq, Hkv, d, kps, vps, scale, scores, out);
 }

@@ -25,7 +25,7 @@ def load_model(path: str, dtype: str = "f32", dense: bool = False, n_ctx: int | 
                note: Callable[[str], None] | None = None, g: GGUFFile | None = None,
                cache_type_k: str | None = None, cache_type_v: str | None = None):
     """Open ``path`` and build the runtime model and its tokenizer (``dtype``: auto, bf16, f32;
-    ``cache_type_k``/``_v``: the KV cache's types, f32/f16/bf16, None: the compute dtype as
+    ``cache_type_k``/``_v``: the KV cache's types, f32/f16/bf16/q8_0, None: the compute dtype as
     :class:`Transformer`; the front ends pass their ``-ctk``/``-ctv``, f16 by default).
 
     ``ram_budget`` (GiB): hot FFN neurons resident, cold ones read from the file
@@ -75,7 +75,7 @@ def open_for_inference(model_path: str, *, dtype: str = "auto", dense: bool = Fa
     context (larger values are cut to it, with a ``note``), ``threads`` 0 picks by model size,
     ``vram_budget`` (GiB) places hot neurons on the GPU; ``ram_budget`` (GiB) keeps the process
     within that much resident memory, cold FFN rows read from the file (not with ``vram_budget``
-    for now); ``cache_type_k``/``_v``: the KV cache's key and value types (f32, f16, bf16; f16 by
+    for now); ``cache_type_k``/``_v``: the KV cache's key and value types (f32, f16, bf16, q8_0; f16 by
     default, as llama.cpp). Raises PowerInferError on bad values."""
     check_ctx_size(ctx_size)  # the front ends check these before importing torch; kept for library callers
     check_threads(threads)

@@ -35,7 +35,7 @@ from .args import ModelArgs
 from ..quant.qweight import QWeight
 from .ffn import FFN
 from .kernels import attend_one, embed, linear
-from .kv_cache import KVCache, kv_dtypes, size_text as _size
+from .kv_cache import KVCache, check_head_dim, kv_dtypes, load, size_text as _size, store
 from .weights import dense_layout, is_quantized, load_concat, load_matrix, load_tensor, stack_rows, tensor_shape, zeros
 
 DEFAULT_CTX = 4096  # context when none is asked for, if the model's is longer (llama.cpp's default too)
@@ -251,7 +251,7 @@ class Transformer:
     the map. With the torch backend they are converted to ``dtype`` at load. ``n_ctx``: the context length in tokens (KV cache and RoPE tables),
     cut to the model's; None: the model's, but at most :data:`DEFAULT_CTX` (a warning gives
     the KV-cache size then). ``cache_type_k``, ``cache_type_v``: the KV cache's key and value types
-    (``f32``/``f16``/``bf16`` or a torch dtype; None: ``dtype``; the command-line tools default to
+    (``f32``/``f16``/``bf16``/``q8_0`` or a torch dtype; None: ``dtype``; the command-line tools default to
     f16, llama.cpp's ``-ctk``/``-ctv``; :mod:`.kv_cache`). Raises PowerInferError when the file's
     tensors do not match its metadata, or for a cache type not supported.
     """
@@ -264,6 +264,7 @@ class Transformer:
         self.dtype = dtype
         self.dense = dense or not a.sparse
         self.cache_dtypes = kv_dtypes(cache_type_k, cache_type_v, dtype)  # (keys, values), checked before loading
+        check_head_dim(self.cache_dtypes, a.head_dim)
         from . import kernels
 
         # With the C kernels every matrix is computed on in the file's own bytes (block-quantized,
@@ -327,15 +328,15 @@ class Transformer:
             cos, sin = self._rope(x.device, pos, T)
             q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         ck, cv = self.cache.layer(i)  # [n_ctx, Hkv, d] on x's device
-        ck[pos:pos + T] = k
-        cv[pos:pos + T] = v.view(T, a.n_head_kv, hd)
+        store(ck, pos, k)
+        store(cv, pos, v.view(T, a.n_head_kv, hd))
         S, W = pos + T, a.sliding_window
         k0 = max(0, pos + 1 - W) if W else 0  # the earliest key the first query may see
         if T == 1 and x.device.type == "cpu":  # decode: one query against the cache (C kernel)
             o = attend_one(q[0], ck[k0:S], cv[k0:S])  # [Hq, d]
             return linear(o.reshape(1, a.n_head * hd), layer.wo, layer.bo)
-        kk = ck[k0:S].transpose(0, 1).to(q.dtype)  # [Hkv, S - k0, d]; a cache in another type: converted span
-        vv = cv[k0:S].transpose(0, 1).to(q.dtype)
+        kk = load(ck[k0:S], q.dtype).transpose(0, 1)  # [Hkv, S - k0, d]; a cache in another type: converted span
+        vv = load(cv[k0:S], q.dtype).transpose(0, 1)
         mask = None
         if T > 1:
             qpos = torch.arange(pos, S, device=x.device)[:, None]
