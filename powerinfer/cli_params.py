@@ -13,7 +13,8 @@ code 1 (as llama.cpp's tools print one line and exit 1), instead of click's usag
 The checks here import nothing heavy (no torch, transformers or numpy), so a command refuses a
 wrong value or a missing input in a fraction of a second, before it imports what it runs on:
 :func:`check_threads`, :func:`check_ctx_size`, :func:`require_file`, :func:`require_folder`, and
-:func:`version_option`, the ``--version`` every ``pi-*`` command has. Missing inputs have one
+:func:`version_option`, the ``--version`` every ``pi-*`` command has, and :func:`cache_type_options`
+(llama.cpp's ``-ctk``/``-ctv``) with :func:`check_cache_type`. Missing inputs have one
 wording everywhere: ``PATH: file not found`` / ``PATH: <what> folder not found``.
 """
 from __future__ import annotations
@@ -28,8 +29,13 @@ import click
 
 from .errors import PowerInferError
 
-__all__ = ["PiCommand", "FiniteFloat", "check_threads", "check_ctx_size", "require_file", "require_folder", "require_model_folder", "require_gguf",
-           "require_data", "version_option", "plural", "rate"]
+__all__ = ["PiCommand", "FiniteFloat", "check_threads", "check_ctx_size", "require_file", "require_folder",
+           "require_model_folder", "require_gguf", "require_data", "version_option", "plural", "rate",
+           "KV_CACHE_TYPES", "DEFAULT_KV_CACHE_TYPE", "check_cache_type", "cache_type_options"]
+
+# KV cache types (runtime/kv_cache.py): llama.cpp's names; its default is f16 whatever the compute type
+KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0")
+DEFAULT_KV_CACHE_TYPE = "f16"
 
 
 def plural(n: int, word: str, many: str | None = None) -> str:
@@ -120,6 +126,24 @@ def check_ctx_size(ctx_size: int, zero: str = "the model's context length") -> i
     if ctx_size < 0:
         raise PowerInferError(f"-c {ctx_size}: must be >= 0 (0: {zero})")
     return ctx_size
+
+
+def check_cache_type(name: str, flag: str = "--cache-type-k") -> str:
+    """``-ctk``/``-ctv``: one of :data:`KV_CACHE_TYPES` (case as llama.cpp: lower); raises PowerInferError
+    ``--cache-type-k q4_1: unsupported KV cache type (supported: f32, f16, bf16, q8_0)`` otherwise."""
+    if name not in KV_CACHE_TYPES:
+        raise PowerInferError(f"{flag} {name}: unsupported KV cache type (supported: {', '.join(KV_CACHE_TYPES)})")
+    return name
+
+
+def cache_type_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``-ctk/--cache-type-k`` and ``-ctv/--cache-type-v`` (llama.cpp's flags; default f16), passed
+    as ``cache_type_k``, ``cache_type_v``; check them with :func:`check_cache_type`."""
+    types = ", ".join(KV_CACHE_TYPES)
+    f = click.option("-ctv", "--cache-type-v", "cache_type_v", default=DEFAULT_KV_CACHE_TYPE, show_default=True,
+                     help=f"KV cache type of the values ({types}).")(f)
+    return click.option("-ctk", "--cache-type-k", "cache_type_k", default=DEFAULT_KV_CACHE_TYPE, show_default=True,
+                        help=f"KV cache type of the keys ({types}).")(f)
 
 
 def require_file(path: str | Path, flag: str | None = None) -> Path:

@@ -29,7 +29,7 @@ def stories_gguf(tmp_path_factory, stories_hf):
 @pytest.fixture(scope="module")
 def loaded(stories_gguf):
     g = open_gguf(stories_gguf)
-    return Transformer(g), GGUFTokenizer(g)
+    return Transformer(g, cache_type_k="f16", cache_type_v="f16"), GGUFTokenizer(g)  # as pi-run's -ctk/-ctv
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def story_end(loaded):
 
 
 def _run(path, *args):
-    r = CliRunner().invoke(run_main, ["-m", str(path), "-t", "1", *[str(a) for a in args]])
+    r = CliRunner().invoke(run_main, ["-m", str(path), "-t", "1", "--dtype", "f32", *[str(a) for a in args]])
     assert r.exit_code == 0, r.output
     return r
 

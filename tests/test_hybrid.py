@@ -337,10 +337,10 @@ def test_pi_run_bench_prints_the_placement_per_device(sparse_file, tmp_path):
     p = tmp_path / path.name
     shutil.copy(path, p)
     save_activation_dir(tmp_path / "activation", [torch.arange(n_ff, dtype=torch.int64) for _ in range(L)])
-    r = CliRunner().invoke(main, ["-m", str(p), "-n", "6", "--bench", "--vram-budget", "1"],
+    r = CliRunner().invoke(main, ["-m", str(p), "-n", "6", "--bench", "--vram-budget", "1", "--dtype", "f32"],
                            env={"POWERINFER_OFFLOAD_DEVICE": "cpu"})
     assert r.exit_code == 0, r.output
-    m = Transformer(open_gguf(p))
+    m = Transformer(open_gguf(p), cache_type_k="f16", cache_type_v="f16")  # pi-run's default KV cache
     total = _weight_bytes(m)
     kv = weight_nbytes(m.cache.k) + weight_nbytes(m.cache.v)
     dev = re.search(r"placement: device side \(cpu, forced onto the CPU\): ([\d.]+) MB .*of (\d+)/(\d+) layers, "

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ..cli_params import PiCommand, FiniteFloat, check_ctx_size, check_threads, require_file, require_gguf, version_option
+from ..cli_params import (DEFAULT_KV_CACHE_TYPE, PiCommand, FiniteFloat, cache_type_options, check_cache_type,
+                          check_ctx_size, check_threads, require_file, require_gguf, version_option)
 from ..errors import PowerInferError, cli_errors
 from ..limits import MAX_BUDGET_GIB
 from ..runtime.cli import DTYPE_NAMES
@@ -49,6 +50,8 @@ class Setup:
     capped: bool = False  # the note that -c was cut to the model's context was printed
     ram_budget: float | None = None  # --ram-budget GiB (predictor mode only)
     activation_dir: str | None = None
+    cache_type_k: str = DEFAULT_KV_CACHE_TYPE  # -ctk / -ctv: the KV cache's types (f16, as llama.cpp)
+    cache_type_v: str = DEFAULT_KV_CACHE_TYPE
 
 
 def _progress(label: str):
@@ -78,7 +81,8 @@ def _load(s: Setup, mode: str):
 
     model, tok = load_model(s.model_path, s.dtype, dense=mode == "dense", n_ctx=s.ctx_size or DEFAULT_CTX,
                             ram_budget=s.ram_budget if mode == "predictor" else None, activation_dir=s.activation_dir,
-                            note=lambda m: sys.stderr.write(m + "\n"))
+                            note=lambda m: sys.stderr.write(m + "\n"), cache_type_k=s.cache_type_k,
+                            cache_type_v=s.cache_type_v)
     if s.ctx_size and model.n_ctx < s.ctx_size and not s.capped:  # capped with a note, as pi-run does
         sys.stderr.write(f"note: -c {s.ctx_size} is more than the model's context length; using {model.n_ctx}\n")
         s.capped = True
@@ -157,10 +161,11 @@ def compare_table(results: dict[str, PerplexityResult]) -> str:
                    "(predictor mode only).")
 @click.option("--activation", "activation_dir", type=click.Path(file_okay=False), default=None,
               help="Activation folder choosing the hot neurons for --ram-budget (default: activation/ beside the model).")
+@cache_type_options
 @version_option("pi-perplexity")
 @cli_errors
 def main(model_path, text_path, ctx_size, n_chunks, n_batch, threads, dtype, dense, oracle, compare, ram_budget,
-         activation_dir):
+         activation_dir, cache_type_k, cache_type_v):
     """Perplexity of a model on a text, computed as llama.cpp's llama-perplexity does."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     # values and input files are checked before torch is imported (seconds on a cold start)
@@ -172,6 +177,8 @@ def main(model_path, text_path, ctx_size, n_chunks, n_batch, threads, dtype, den
     if n_batch is not None and n_batch <= 0:
         raise PowerInferError(f"-b {n_batch}: must be > 0")
     check_threads(threads)
+    check_cache_type(cache_type_k, "--cache-type-k")
+    check_cache_type(cache_type_v, "--cache-type-v")
     if sum((dense, oracle, compare)) > 1:
         raise PowerInferError("--dense, --oracle and --compare exclude each other (--compare runs all three)")
     if ram_budget is not None and (dense or oracle or compare):
@@ -192,7 +199,7 @@ def main(model_path, text_path, ctx_size, n_chunks, n_batch, threads, dtype, den
         raise PowerInferError(f"{model_path}: a dense GGUF (no predictors): --ram-budget needs a PowerInfer GGUF "
                               "(PWRI, from pi-convert MODEL PRED_DIR) whose predictors say which FFN rows to read")
     s = Setup(model_path, text, ctx_size or None, n_chunks, n_batch, threads, dtype,
-              ram_budget=ram_budget, activation_dir=activation_dir)
+              ram_budget=ram_budget, activation_dir=activation_dir, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
     if not compare:
         mode = "oracle" if oracle else "dense" if (dense or not sparse_file) else "predictor"
         res, *_ = _evaluate(s, mode, None)

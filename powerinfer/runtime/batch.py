@@ -1,6 +1,6 @@
 """Batched decoding: one new token for each of ``B`` sequences in one forward pass.
 
-Each sequence has its own KV cache (:class:`~powerinfer.runtime.model.KVCache` of its own
+Each sequence has its own KV cache (:class:`~powerinfer.runtime.kv_cache.KVCache` of its own
 length, resident only as positions are written) and its own position. One step runs the
 Transformer's layers once over ``x`` ``[B, D]``:
 
@@ -43,7 +43,8 @@ from ..errors import PowerInferError
 from ..quant.qweight import QWeight
 from . import kernels
 from .kernels import attend_many, embed, linear
-from .model import KVCache, Layer, Transformer
+from .kv_cache import KVCache, store
+from .model import Layer, Transformer
 
 # Union rows from this batch size on, per-sequence rows below it (measured with
 # benchmarks/bench_batch_ffn.py on the 4-layer 7B-shaped Q4_0 model, 2 threads; see the README).
@@ -56,12 +57,12 @@ FFN_MODES = ("auto", "union", "per-seq")
 
 
 def new_cache(model: Transformer, n_ctx: int) -> KVCache:
-    """A KV cache of ``n_ctx`` positions for one sequence of ``model`` (memory is taken as
-    positions are written). Raises PowerInferError when ``n_ctx`` is not in ``1..model.n_ctx``."""
+    """A KV cache of ``n_ctx`` positions for one sequence of ``model``, in the model's cache types
+    (``model.cache_dtypes``; memory is taken as positions are written). Raises PowerInferError when ``n_ctx`` is not in ``1..model.n_ctx``."""
     if not 1 <= n_ctx <= model.n_ctx:
         raise PowerInferError(f"a sequence's context of {n_ctx} tokens is outside 1..{model.n_ctx}")
     a = model.args
-    return KVCache(a.n_layer, n_ctx, a.n_head_kv, a.head_dim, model.dtype)
+    return KVCache(a.n_layer, n_ctx, a.n_head_kv, a.head_dim, *model.cache_dtypes)
 
 
 def check_batchable(model: Transformer) -> None:
@@ -213,8 +214,8 @@ class BatchDecoder:
             q, k = m.rope(q, cos, sin), m.rope(k, cos, sin)
         for b, (cache, pos) in enumerate(zip(caches, positions)):  # every entry's keys and values first
             ck, cv = cache.layer(i)
-            ck[pos] = k[b]
-            cv[pos] = v[b]
+            store(ck, pos, k[b:b + 1])
+            store(cv, pos, v[b:b + 1])
         rows = range(B) if keep is None else keep.tolist()
         if not rows:
             return x[:0]

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ..cli_params import PiCommand, FiniteFloat, check_ctx_size, check_threads, plural, rate, require_file, require_gguf, version_option
+from ..cli_params import (PiCommand, FiniteFloat, cache_type_options, check_cache_type, check_ctx_size, check_threads,
+                          plural, rate, require_file, require_gguf, version_option)
 from ..errors import PowerInferError, cli_errors
 from ..limits import MAX_BUDGET_GIB
 
@@ -100,6 +101,14 @@ def _threads() -> str:
     return f"{n} thread{'s' if n > 1 else ''}"
 
 
+def _kv_types(model: "Transformer") -> str:
+    """``f16`` (keys and values alike) or ``f16/f32`` (keys/values): the KV cache's types."""
+    from .kv_cache import type_name
+
+    k, v = (type_name(t) for t in model.cache_dtypes)
+    return k if k == v else f"{k}/{v}"
+
+
 def bench_report(model: "Transformer", st: "GenStats", path: str) -> str:
     """The ``--bench`` summary: speed, where decode time goes, sparsity, bytes per token."""
     from . import kernels
@@ -112,7 +121,8 @@ def bench_report(model: "Transformer", st: "GenStats", path: str) -> str:
     ws = (model.layers[0].wqkv, getattr(ffn, "up", None), getattr(ffn, "fc1", None))  # a HybridFFN has neither
     types = dict.fromkeys(weight_type(w) for w in ws if w is not None)
     lines = [f"bench: {path} ({model.args.family.name}, {mode}, weights {'/'.join(types)} computed in "
-             f"{str(model.dtype).removeprefix('torch.')}, kernels {kernels.backend()}, {_threads()})",
+             f"{str(model.dtype).removeprefix('torch.')}, KV cache {_kv_types(model)}, kernels {kernels.backend()}, "
+             f"{_threads()})",
              f"prompt: {plural(st.n_prompt, 'token')} in {st.t_prompt * 1e3:.1f} ms{rate(st.n_prompt, st.t_prompt)}"]
     if st.t_steps:
         tps = sorted(1.0 / t for t in st.t_steps)
@@ -191,17 +201,21 @@ def bench_report(model: "Transformer", st: "GenStats", path: str) -> str:
                    "'{\"date_string\": \"03 Dec 2026\"}' (Llama 3.x), as llama.cpp's option.")
 @click.option("--bench", is_flag=True,
               help="Greedy, ignore EOS, no text: report tokens/s, FFN share of decode time, active share.")
+@cache_type_options
 @version_option("pi-run")
 @cli_errors
 def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
          seed, ignore_eos, threads, dense, vram_budget, ram_budget, activation_dir, reset_gpu_index, disable_gpu_index, dtype,
-         kernel_backend, conversation, interactive, system_prompt, template_kwargs, bench):
+         kernel_backend, conversation, interactive, system_prompt, template_kwargs, bench, cache_type_k,
+         cache_type_v):
     """Generate text with sparse FFNs: only the neurons the predictor marks active are computed."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     # every value and input file is checked before torch is imported (seconds on a cold start)
     check_sampler(n_predict, temp, top_k, top_p, seed, repeat_penalty, repeat_last_n, min_p)
     check_ctx_size(ctx_size)
     check_threads(threads)
+    check_cache_type(cache_type_k, "--cache-type-k")
+    check_cache_type(cache_type_v, "--cache-type-v")
     require_gguf(model_path)
     if prompt_file is not None:
         if click.get_current_context().get_parameter_source("prompt") == click.core.ParameterSource.COMMANDLINE:
@@ -238,7 +252,8 @@ def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_
     model, tok = open_for_inference(
         model_path, dtype=dtype, dense=dense, ctx_size=ctx_size, threads=threads, kernel_backend=kernel_backend,
         vram_budget=vram_budget, ram_budget=ram_budget, activation_dir=activation_dir, reset_gpu_index=reset_gpu_index,
-        disable_gpu_index=disable_gpu_index, note=lambda s: click.echo(s, err=True))
+        disable_gpu_index=disable_gpu_index, note=lambda s: click.echo(s, err=True), cache_type_k=cache_type_k,
+        cache_type_v=cache_type_v)
     sampler = SamplerSettings(temp, top_k, top_p, seed, repeat_penalty, repeat_last_n, min_p)
     if conversation:
         src = click.get_current_context().get_parameter_source("prompt")

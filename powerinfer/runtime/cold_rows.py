@@ -953,14 +953,18 @@ def activation_counts(model_path: str, activation_dir: str | None, n_layer: int,
 
 
 def load_budgeted(g: GGUFFile, dtype: torch.dtype, n_ctx: int | None, budget_gib: float,
-                  activation_dir: str | None = None, note=None, interpreter: int | None = None):
+                  activation_dir: str | None = None, note=None, interpreter: int | None = None,
+                  cache_type_k=None, cache_type_v=None):
     """``(model, plan, reader)``: the model of the opened PWRI file ``g`` built within
     ``budget_gib`` GiB (:func:`~.residency.plan_residency`; its minimum is checked before any
     weight is read; ``interpreter``: bytes the process holds, default its resident set now).
     When the whole model fits (``plan.resident``) it is the ordinary model and ``reader`` None.
+    ``cache_type_k``/``_v``: the KV cache's types (:class:`~.model.Transformer`'s; None: ``dtype``),
+    counted in the plan's minimum in those bytes.
     Raises PowerInferError for a budget below the minimum, a dense file, FFN
     rows of a type the row kernels do not read, or an unreadable activation folder."""
     from .args import ModelArgs
+    from .kv_cache import kv_dtypes
     from .model import Transformer, context_length
     from .residency import plan_residency
     from .weights import _release
@@ -970,15 +974,17 @@ def load_budgeted(g: GGUFFile, dtype: torch.dtype, n_ctx: int | None, budget_gib
     a = ModelArgs.from_gguf(g)
     _, ctx = context_length(g, a, n_ctx)  # the Transformer's own (position_embd's cap included)
     counts, source = activation_counts(str(g.path), activation_dir, a.n_layer, a.n_ff) if a.sparse else (None, "")
-    plan = plan_residency(g, ctx, dtype, budget_gib, counts, source, interpreter)
+    kv = kv_dtypes(cache_type_k, cache_type_v, dtype)
+    plan = plan_residency(g, ctx, kv, budget_gib, counts, source, interpreter)
     if plan.resident:  # the whole model fits: the ordinary run, nothing read from disk
-        return Transformer(g, dtype, n_ctx=n_ctx), plan, None
+        return Transformer(g, dtype, n_ctx=n_ctx, cache_type_k=kv[0], cache_type_v=kv[1]), plan, None
     streams, files, where = open_streams(g, plan, note)
     reader = RowReader(files)
     try:
         reader.verify = files[0].path == Path(g.path)
         reader.pool = RowPool(plan.parts, a.n_embd, [int(h.sum()) for h in plan.hot], plan.window_total)
-        model = Transformer(g, dtype, n_ctx=n_ctx, ffn_builder=_builder(plan, streams, reader, reader.pool))
+        model = Transformer(g, dtype, n_ctx=n_ctx, ffn_builder=_builder(plan, streams, reader, reader.pool),
+                            cache_type_k=kv[0], cache_type_v=kv[1])
         embd = g.tensors.get("token_embd.weight")
         tied = model.output is model.tok_embd
 

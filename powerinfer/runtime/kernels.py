@@ -7,7 +7,8 @@ speed limit is the bytes of weights read per token. Three operations cover it:
 * :func:`rows_dot`: dot products of ``x`` with the active rows of gate and up, read
   straight from the weight matrices (no gathered copy);
 * :func:`rows_axpy`: ``sum_i coef[i] * down_t[idx[i]]``, one AXPY per active neuron;
-* :func:`attend_one`: one query token against the KV cache (decode attention);
+* :func:`attend_one`: one query token against the KV cache (decode attention), keys and values
+  read in the cache's own type (f32, f16 or bf16, :mod:`.kv_cache`), converted in registers;
 * :func:`rows_dot_multi`, :func:`rows_axpy_multi`: the row ops for several tokens over the
   union of their rows, each row read once (batched decoding, ``runtime/batch.py``), each
   token's numbers those of the one-token op.
@@ -66,6 +67,8 @@ SOURCE = Path(__file__).with_name("kernels.c")
 QSOURCE = Path(__file__).with_name("qkernels.c")
 FSOURCE = Path(__file__).with_name("sparse_ffn.c")  # one token's sparse FFN in one call
 _DT = {torch.float32: 0, torch.bfloat16: 1}
+_KV = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.uint8: 3}  # kernels.c's KV cache types
+# (kv_cache.py; uint8: q8_0 blocks)
 _QT = {"F16": 2, "BF16": 30, "Q4_0": 10, "Q8_0": 11, "Q4_K": 12, "Q6_K": 13, "Q5_0": 14, "Q5_1": 15,
        "Q5_K": 16}  # qkernels.c type codes
 QGEMM_MAX_T = 64  # up to this many tokens a row-layout product runs in the C kernel, above it tiles + torch
@@ -117,9 +120,9 @@ def _build(native: bool = True) -> ctypes.CDLL:
     lib.pi_dot_rows.restype = None
     lib.pi_axpy_rows.argtypes = [C, P, P, P, I, I, P, C]
     lib.pi_axpy_rows.restype = None
-    lib.pi_attend_one.argtypes = [C, P, P, P, I, I, I, I, I, ctypes.c_float, P, P]
+    lib.pi_attend_one.argtypes = [C, C, P, P, P, I, I, I, I, I, I, ctypes.c_float, P, P]
     lib.pi_attend_one.restype = None
-    lib.pi_attend_many.argtypes = [C, I, P, P, P, P, I, I, I, I, I, ctypes.c_float, P, P]
+    lib.pi_attend_many.argtypes = [C, C, I, P, P, P, P, I, I, I, I, I, I, ctypes.c_float, P, P]
     lib.pi_attend_many.restype = None
     F32 = ctypes.c_float
     lib.pi_q_gemm.argtypes = [C, P, I, I, P, I, P]
@@ -498,44 +501,60 @@ class SparseFFNCall:
 
 
 def _attend_c_ok(k: torch.Tensor, v: torch.Tensor, d: int) -> bool:
-    """The C attention reads this cache span: a C dtype for both, one layout, rows of ``d`` contiguous
-    values per head, at least one position."""
-    return (k.dtype in _DT and v.dtype == k.dtype and k.stride() == v.stride() and k.stride(2) == 1
-            and k.stride(1) == d and k.shape[0] > 0)
+    """The C attention reads this cache span: keys and values each f32, f16, bf16 or q8_0 (not
+    necessarily the same), each head's row contiguous (``d`` values, or their q8_0 bytes), at least
+    one position, on the CPU."""
+    from .kv_cache import row_width
+
+    return all(t.dtype in _KV and t.stride(2) == 1 and t.shape[2] == row_width(t.dtype, d) and t.stride(1) == t.shape[2]
+               and t.device.type == "cpu" for t in (k, v)) and k.shape[0] > 0 and (d % 32 == 0 or torch.uint8 not in
+                                                                                  (k.dtype, v.dtype))
 
 
 def attend_many(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
     """:func:`attend_one` for ``n`` queries at once, each against its own cache span: ``q``
     ``[n, Hq, d]``, ``ks[i]``, ``vs[i]`` ``[S_i, Hkv, d]`` -> ``[n, Hq, d]`` in ``q``'s dtype. Entry
     ``i`` gets exactly ``attend_one(q[i], ks[i], vs[i])``; one C call for all of them where every
-    span is a C-readable cache view of one position stride, else one :func:`attend_one` each."""
+    span is a C-readable cache view of one position stride and types, else one :func:`attend_one` each."""
     n, Hq, d = q.shape
-    if n and _c_ok() and all(_attend_c_ok(k, v, d) and k.dtype == ks[0].dtype and k.stride() == ks[0].stride()
+    if n and _c_ok() and all(_attend_c_ok(k, v, d) and k.dtype == ks[0].dtype and v.dtype == vs[0].dtype
+                             and k.stride(0) == ks[0].stride(0) and v.stride(0) == vs[0].stride(0)
                              for k, v in zip(ks, vs)):
-        dt, Hkv = ks[0].dtype, ks[0].shape[1]
-        qw = q.to(dt).contiguous()
+        Hkv = ks[0].shape[1]
+        qf = q.float().contiguous()
         S = torch.tensor([k.shape[0] for k in ks], dtype=torch.int64)
         kp = torch.tensor([k.data_ptr() for k in ks], dtype=torch.int64)
         vp = torch.tensor([v.data_ptr() for v in vs], dtype=torch.int64)
         smax = int(S.max())
         scores = torch.empty(n, Hq, smax, dtype=torch.float32)
         out = torch.empty(n, Hq, d, dtype=torch.float32)
-        _state["lib"].pi_attend_many(_DT[dt], n, qw.data_ptr(), kp.data_ptr(), vp.data_ptr(), S.data_ptr(), smax,
-                                     Hq, Hkv, d, ks[0].stride(0), d ** -0.5, scores.data_ptr(), out.data_ptr())
+        _state["lib"].pi_attend_many(_KV[ks[0].dtype], _KV[vs[0].dtype], n, qf.data_ptr(), kp.data_ptr(),
+                                     vp.data_ptr(), S.data_ptr(), smax, Hq, Hkv, d, ks[0].stride(0) * ks[0].element_size(),
+                                     vs[0].stride(0) * vs[0].element_size(), d ** -0.5, scores.data_ptr(),
+                                     out.data_ptr())
         return out.to(q.dtype)
     return torch.stack([attend_one(q[i], k, v) for i, (k, v) in enumerate(zip(ks, vs))]) if n else q.clone()
 
 
 def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Decode attention of one query: ``q`` ``[Hq, d]`` against ``k``, ``v`` ``[S, Hkv, d]`` (views of
-    the KV cache, every position visible) -> ``[Hq, d]`` in ``q``'s dtype; ``Hq`` a multiple of ``Hkv``."""
+    """Decode attention of one query: ``q`` ``[Hq, d]`` against ``k``, ``v`` ``[S, Hkv, W]`` (views of
+    the KV cache, every position visible; ``W`` = d, or d's q8_0 bytes) -> ``[Hq, d]`` in ``q``'s
+    dtype; ``Hq`` a multiple of ``Hkv``.
+
+    The C kernel takes the query in f32 and reads f32, f16, bf16 or q8_0 keys and values in place
+    (converted in registers, f32 sums: llama.cpp's f16 KV cache without an f32 copy); the torch path
+    converts the span to ``q``'s dtype for SDPA."""
+    from .kv_cache import load
+
     (Hq, d), (S, Hkv, _) = q.shape, k.shape
     if _c_ok() and _attend_c_ok(k, v, d):
-        qw = q.to(k.dtype).contiguous()
+        qf = q.float().contiguous()
         scores = torch.empty(Hq, S, dtype=torch.float32)
         out = torch.empty(Hq, d, dtype=torch.float32)
-        _state["lib"].pi_attend_one(_DT[k.dtype], qw.data_ptr(), k.data_ptr(), v.data_ptr(), S, Hq, Hkv, d,
-                                    k.stride(0), d ** -0.5, scores.data_ptr(), out.data_ptr())
+        _state["lib"].pi_attend_one(_KV[k.dtype], _KV[v.dtype], qf.data_ptr(), k.data_ptr(), v.data_ptr(), S, Hq,
+                                    Hkv, d, k.stride(0) * k.element_size(), v.stride(0) * v.element_size(),
+                                    d ** -0.5, scores.data_ptr(), out.data_ptr())
         return out.to(q.dtype)
-    o = F.scaled_dot_product_attention(q[:, None], k.transpose(0, 1), v.transpose(0, 1), enable_gqa=Hq != Hkv)
+    o = F.scaled_dot_product_attention(q[:, None], load(k, q.dtype).transpose(0, 1), load(v, q.dtype).transpose(0, 1),
+                                       enable_gqa=Hq != Hkv)
     return o[:, 0]

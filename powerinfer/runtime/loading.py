@@ -7,13 +7,14 @@ from typing import Callable
 
 import torch
 
-from ..cli_params import check_ctx_size, check_threads
+from ..cli_params import check_cache_type, check_ctx_size, check_threads
 from ..errors import PowerInferError
 from ..formats.gguf_file import GGUFFile, open_gguf
 from . import kernels
 from .generate import decode_bytes_per_token
 from .model import Transformer
 from .tokenizer import GGUFTokenizer
+from .kv_cache import DEFAULT_KV_CACHE_TYPE
 from .weights import compute_dtype
 
 SMALL_MODEL_BYTES = 64 << 20  # below this many weight bytes per token, one thread is fastest
@@ -21,8 +22,11 @@ SMALL_MODEL_BYTES = 64 << 20  # below this many weight bytes per token, one thre
 
 def load_model(path: str, dtype: str = "f32", dense: bool = False, n_ctx: int | None = None,
                ram_budget: float | None = None, activation_dir: str | None = None,
-               note: Callable[[str], None] | None = None, g: GGUFFile | None = None):
-    """Open ``path`` and build the runtime model and its tokenizer (``dtype``: auto, bf16, f32).
+               note: Callable[[str], None] | None = None, g: GGUFFile | None = None,
+               cache_type_k: str | None = None, cache_type_v: str | None = None):
+    """Open ``path`` and build the runtime model and its tokenizer (``dtype``: auto, bf16, f32;
+    ``cache_type_k``/``_v``: the KV cache's types, f32/f16/bf16/q8_0, None: the compute dtype as
+    :class:`Transformer`; the front ends pass their ``-ctk``/``-ctv``, f16 by default).
 
     ``ram_budget`` (GiB): hot FFN neurons resident, cold ones read from the file
     (:mod:`.residency`, :mod:`.cold_rows`). ``g``: ``path`` already opened (validated once)."""
@@ -34,11 +38,13 @@ def load_model(path: str, dtype: str = "f32", dense: bool = False, n_ctx: int | 
                                   "the budget needs the sparse FFN")
         from .cold_rows import load_budgeted
 
-        model, plan, _ = load_budgeted(g, compute_dtype(dtype), n_ctx, ram_budget, activation_dir, note)
+        model, plan, _ = load_budgeted(g, compute_dtype(dtype), n_ctx, ram_budget, activation_dir, note,
+                                       cache_type_k=cache_type_k, cache_type_v=cache_type_v)
         if note is not None:
             note(plan.summary())
         return model, tok
-    model = Transformer(g, compute_dtype(dtype), dense=dense, n_ctx=n_ctx)
+    model = Transformer(g, compute_dtype(dtype), dense=dense, n_ctx=n_ctx, cache_type_k=cache_type_k,
+                        cache_type_v=cache_type_v)
     return model, tok
 
 
@@ -63,20 +69,25 @@ def open_for_inference(model_path: str, *, dtype: str = "auto", dense: bool = Fa
                        threads: int = 0, kernel_backend: str | None = None, vram_budget: float | None = None,
                        activation_dir: str | None = None, reset_gpu_index: bool = False,
                        disable_gpu_index: bool = False, ram_budget: float | None = None,
-                       note: Callable[[str], None] = lambda s: sys.stderr.write(s + "\n")):
+                       note: Callable[[str], None] = lambda s: sys.stderr.write(s + "\n"),
+                       cache_type_k: str = DEFAULT_KV_CACHE_TYPE, cache_type_v: str = DEFAULT_KV_CACHE_TYPE):
     """The model and tokenizer of ``model_path``, ready to decode: ``ctx_size`` 0 is the model's
     context (larger values are cut to it, with a ``note``), ``threads`` 0 picks by model size,
     ``vram_budget`` (GiB) places hot neurons on the GPU; ``ram_budget`` (GiB) keeps the process
     within that much resident memory, cold FFN rows read from the file (not with ``vram_budget``
-    for now). Raises PowerInferError on bad values."""
+    for now); ``cache_type_k``/``_v``: the KV cache's key and value types (f32, f16, bf16, q8_0; f16 by
+    default, as llama.cpp). Raises PowerInferError on bad values."""
     check_ctx_size(ctx_size)  # the front ends check these before importing torch; kept for library callers
     check_threads(threads)
+    check_cache_type(cache_type_k, "--cache-type-k")
+    check_cache_type(cache_type_v, "--cache-type-v")
     set_kernels(kernel_backend)
     if ram_budget is not None and vram_budget is not None and not disable_gpu_index:
         raise PowerInferError("--ram-budget with --vram-budget: not supported yet (the GPU split copies the CPU "
                               "side's rows out of full matrices, which a RAM budget never holds); give one")
     g = open_gguf(model_path)  # opened and validated once: the model, the plan and the GPU index read it
-    model, tok = load_model(model_path, dtype, dense, ctx_size or None, ram_budget, activation_dir, note, g)
+    model, tok = load_model(model_path, dtype, dense, ctx_size or None, ram_budget, activation_dir, note, g,
+                            cache_type_k, cache_type_v)
     if ctx_size > model.n_ctx:
         note(f"note: -c {ctx_size} is more than the model's context length; using {model.n_ctx}")
     torch.set_num_threads(threads or default_threads(model))

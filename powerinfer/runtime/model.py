@@ -39,10 +39,17 @@ from .args import ModelArgs
 from ..quant.qweight import QWeight
 from .ffn import FFN
 from .kernels import attend_one, embed, linear
+from .kv_cache import KVCache, available_memory, check_head_dim, kv_dtypes, load, size_text as _size, store
 from .weights import (check_dequantized, dense_layout, is_quantized, load_concat, load_matrix, load_tensor, stack_rows,
                       tensor_shape, zeros)
 
 DEFAULT_CTX = 4096  # context when none is asked for, if the model's is longer (llama.cpp's default too)
+# Prompt memory, bounded as llama.cpp bounds it (its n_ubatch): a forward pass takes at most UBATCH
+# tokens (longer calls run in consecutive passes, the same numbers per token up to GEMM rounding), and
+# SDPA takes query rows in blocks whose score matrix [Hq, rows, keys] fp32 stays within
+# SDPA_SCORE_BYTES (CPU SDPA materialises it, and its softmax: ~1 GB at 1940 tokens of a 7B otherwise).
+UBATCH = 512
+SDPA_SCORE_BYTES = 32 << 20
 log = logging.getLogger(__name__)
 
 
@@ -79,64 +86,6 @@ class Layer:
         if self.q_norm is None:
             return q, k
         return self.q_norm(q), self.k_norm(k)
-
-
-class KVCache:
-    """Keys and values for every layer and position: ``[n_layer, n_ctx, Hkv, d]`` each."""
-
-    @staticmethod
-    def nbytes(n_layer: int, n_ctx: int, n_head_kv: int, head_dim: int, dtype: torch.dtype) -> int:
-        """Bytes of keys plus values for ``n_ctx`` positions."""
-        return 2 * n_layer * n_ctx * n_head_kv * head_dim * torch.empty((), dtype=dtype).element_size()
-
-    def __init__(self, n_layer: int, n_ctx: int, n_head_kv: int, head_dim: int, dtype: torch.dtype):
-        nbytes = self.nbytes(n_layer, n_ctx, n_head_kv, head_dim, dtype)
-        avail = _available_memory()
-        if avail is not None and nbytes > avail:
-            raise PowerInferError(f"the KV cache for a context of {n_ctx} tokens needs {nbytes / 2**30:.1f} GiB, "
-                                  f"more than the {avail / 2**30:.1f} GiB of memory available: ask for less with -c")
-        # resident as positions are written, not all at once (a 4096-token f32 cache of a 7B is 4 GiB)
-        self.k = zeros((n_layer, n_ctx, n_head_kv, head_dim), dtype)
-        self.v = zeros((n_layer, n_ctx, n_head_kv, head_dim), dtype)
-        self._layers = [(self.k[i], self.v[i]) for i in range(n_layer)]  # views, made once (not per token)
-        self._cpu = list(range(n_layer))  # layers whose keys and values are rows of k, v
-
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``i``'s keys and values ``[n_ctx, Hkv, d]`` each, on the device that layer runs on."""
-        return self._layers[i]
-
-    def move_layers(self, ids: list[int], device: torch.device | str, dtype: torch.dtype) -> None:
-        """Keep layers ``ids``' keys and values on ``device`` in ``dtype`` (what they hold so far is
-        copied); the CPU block shrinks to the remaining layers."""
-        gone = set(ids) & set(self._cpu)
-        for i in gone:
-            k, v = self._layers[i]
-            self._layers[i] = (k.to(device, dtype, copy=True), v.to(device, dtype, copy=True))
-        self._cpu = [i for i in self._cpu if i not in gone]
-        if self._cpu:  # a new, smaller CPU block holding the remaining layers
-            self.k = torch.stack([self._layers[i][0] for i in self._cpu])
-            self.v = torch.stack([self._layers[i][1] for i in self._cpu])
-        else:
-            self.k, self.v = self.k[:0].clone(), self.v[:0].clone()
-        for r, i in enumerate(self._cpu):
-            self._layers[i] = (self.k[r], self.v[r])
-
-
-def _size(nbytes: int) -> str:
-    """``512 MiB`` or ``2.0 GiB``."""
-    return f"{nbytes / 2**20:.0f} MiB" if nbytes < 2**30 else f"{nbytes / 2**30:.1f} GiB"
-
-
-def _available_memory() -> int | None:
-    """Bytes of memory the system could give now (MemAvailable; None where unknown)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def rope_tables(n_ctx: int, n_rot: int, base: float, freq_factors: torch.Tensor | None = None,
@@ -349,21 +298,27 @@ class Transformer:
     packed copy; a matrix already in ``dtype`` (f32, or bf16 with bf16 compute) is a view of
     the map. With the torch backend they are converted to ``dtype`` at load. ``n_ctx``: the context length in tokens (KV cache and RoPE tables),
     cut to the model's; None: the model's, but at most :data:`DEFAULT_CTX` (a warning gives
-    the KV-cache size then). Raises PowerInferError when the file's tensors do not match its metadata.
+    the KV-cache size then). ``cache_type_k``, ``cache_type_v``: the KV cache's key and value types
+    (``f32``/``f16``/``bf16``/``q8_0`` or a torch dtype; None: ``dtype``; the command-line tools default to
+    f16, llama.cpp's ``-ctk``/``-ctv``; :mod:`.kv_cache`). Raises PowerInferError when the file's
+    tensors do not match its metadata, or for a cache type not supported.
     """
 
     def __init__(self, g: GGUFFile, dtype: torch.dtype = torch.float32, dense: bool = False,
-                 n_ctx: int | None = None, ffn_builder: Callable | None = None):
+                 n_ctx: int | None = None, ffn_builder: Callable | None = None,
+                 cache_type_k: str | torch.dtype | None = None, cache_type_v: str | torch.dtype | None = None):
         self.args = a = ModelArgs.from_gguf(g)
         fam = a.family
         self.dtype = dtype
         self.dense = dense or not a.sparse
+        self.cache_dtypes = kv_dtypes(cache_type_k, cache_type_v, dtype)  # (keys, values), checked before loading
+        check_head_dim(self.cache_dtypes, a.head_dim)
         from . import kernels
 
         # With the C kernels every matrix is computed on in the file's own bytes (block-quantized,
         # f16 or bf16: no f32 copy); the torch backend dequantizes to ``dtype`` at load.
         mapped = kernels.backend() == "c"
-        check_dequantized(g, dtype, mapped, _available_memory())  # before any allocation
+        check_dequantized(g, dtype, mapped, available_memory())  # before any allocation
         self.quantized = is_quantized(g) and mapped
         self.tok_embd = load_matrix(g, "token_embd.weight", dtype, mapped)  # [V, D]
         if self.tok_embd.shape != (a.n_vocab or self.tok_embd.shape[0], a.n_embd):
@@ -381,14 +336,14 @@ class Transformer:
         max_ctx, self.n_ctx = context_length(g, a, n_ctx)
         self.max_ctx = max_ctx  # the model's own context length (n_ctx may be smaller: -c)
         if not n_ctx and self.n_ctx < max_ctx:
-            kv = KVCache.nbytes(a.n_layer, 1, a.n_head_kv, a.head_dim, dtype)
+            kv = KVCache.nbytes(a.n_layer, 1, a.n_head_kv, a.head_dim, *self.cache_dtypes)
             log.warning("context: %d tokens of the model's %d (KV cache %s); -c %d for the whole context "
                         "(KV cache %s)", self.n_ctx, max_ctx, _size(kv * self.n_ctx), max_ctx, _size(kv * max_ctx))
         self.layers: list[Layer] = [build_layer(g, i, a, dtype, self.dense, mapped, ffn_builder)
                                     for i in range(a.n_layer)]
         self.rope = {"normal": apply_rope, "neox": apply_rope_neox, None: None}[fam.rope]
         self.cos, self.sin = rope_tables(self.n_ctx, a.n_rot, a.rope_base, load_rope_factors(g, a), a.rope_freq_scale)
-        self.cache = KVCache(a.n_layer, self.n_ctx, a.n_head_kv, a.head_dim, dtype)
+        self.cache = KVCache(a.n_layer, self.n_ctx, a.n_head_kv, a.head_dim, *self.cache_dtypes)
         self.mask_fn: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self.placement = None  # hybrid.DevicePlacement once offloaded: device, dtype, timing
         self.head_on_device = False  # output norm and matrix on the offload device
@@ -435,15 +390,15 @@ class Transformer:
             cos, sin = self._rope(x.device, pos, T)
             q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         ck, cv = self.cache.layer(i)  # [n_ctx, Hkv, d] on x's device
-        ck[pos:pos + T] = k
-        cv[pos:pos + T] = v.view(T, a.n_head_kv, hd)
+        store(ck, pos, k)
+        store(cv, pos, v.view(T, a.n_head_kv, hd))
         S, W = pos + T, a.sliding_window
         k0 = max(0, pos + 1 - W) if W else 0  # the earliest key the first query may see
         if T == 1 and x.device.type == "cpu":  # decode: one query against the cache (C kernel)
             o = attend_one(q[0], ck[k0:S], cv[k0:S])  # [Hq, d]
             return linear(o.reshape(1, a.n_head * hd), layer.wo, layer.bo)
-        kk = ck[k0:S].transpose(0, 1)  # [Hkv, S - k0, d]
-        vv = cv[k0:S].transpose(0, 1)
+        kk = load(ck[k0:S], q.dtype).transpose(0, 1)  # [Hkv, S - k0, d]; a cache in another type: converted span
+        vv = load(cv[k0:S], q.dtype).transpose(0, 1)
         mask = None
         if T > 1:
             qpos = torch.arange(pos, S, device=x.device)[:, None]
@@ -451,8 +406,13 @@ class Transformer:
             mask = kpos <= qpos
             if W:
                 mask &= kpos > qpos - W
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=mask,
-                                           enable_gqa=a.n_head != a.n_head_kv)  # [Hq, T, d]
+        qt = q.transpose(0, 1)  # [Hq, T, d]
+        rows = max(1, SDPA_SCORE_BYTES // (4 * a.n_head * (S - k0)))  # query rows per SDPA call
+        o = torch.cat([F.scaled_dot_product_attention(qt[:, r:r + rows], kk, vv,
+                                                      attn_mask=None if mask is None else mask[r:r + rows],
+                                                      enable_gqa=a.n_head != a.n_head_kv)
+                       for r in range(0, T, rows)], dim=1) if T > rows else \
+            F.scaled_dot_product_attention(qt, kk, vv, attn_mask=mask, enable_gqa=a.n_head != a.n_head_kv)
         return linear(o.transpose(0, 1).reshape(T, a.n_head * hd), layer.wo, layer.bo)
 
     def _ffn(self, i: int, layer: Layer, h: torch.Tensor, xn: torch.Tensor) -> torch.Tensor:
@@ -464,11 +424,15 @@ class Transformer:
         """Run ``tokens`` (LongTensor ``[T]``) at positions ``pos..pos+T-1``.
 
         Returns logits ``[T, V]`` if ``all_logits`` else ``[V]`` for the last token,
-        in float32. Raises PowerInferError when the context would overflow.
+        in float32. More than :data:`UBATCH` tokens run as consecutive passes of at most that many.
+        Raises PowerInferError when the context would overflow.
         """
         T = tokens.shape[0]
         if pos + T > self.n_ctx:
             raise PowerInferError(f"{pos + T} tokens exceed the context length {self.n_ctx}")
+        if T > UBATCH:  # activations of UBATCH tokens at a time (llama.cpp's n_ubatch), not of the whole prompt
+            outs = [self.forward(tokens[i:i + UBATCH], pos + i, all_logits) for i in range(0, T, UBATCH)]
+            return torch.cat(outs) if all_logits else outs[-1]
         if self.before_forward is not None:
             self.before_forward()
         x = embed(self.tok_embd, tokens).to(self.dtype)  # [T, D]

@@ -218,11 +218,12 @@ def _kind(name: str) -> str | None:
     return "norms+biases"
 
 
-def plan_residency(g: GGUFFile, n_ctx: int, kv_dtype: torch.dtype, budget_gib: float,
+def plan_residency(g: GGUFFile, n_ctx: int, kv_dtype: torch.dtype | tuple[torch.dtype, torch.dtype], budget_gib: float,
                    counts: list | None = None, counts_source: str = "none",
                    interpreter: int | None = None) -> ResidencyPlan:
     """The plan for running PWRI file ``g`` with a context of ``n_ctx`` tokens (KV cache in
-    ``kv_dtype``) within ``budget_gib`` GiB. ``counts``: per layer activation counts ``[n_ff]``
+    ``kv_dtype``: one dtype, or ``(keys, values)`` as ``-ctk``/``-ctv`` give them) within
+    ``budget_gib`` GiB. ``counts``: per layer activation counts ``[n_ff]``
     (None: no neuron pinned); ``interpreter``: bytes already resident (default: this
     process's resident set now). Reads the tensor table only (no weight is touched). When the
     whole model fits in the budget the plan is ``resident`` (every neuron hot, nothing to read:
@@ -232,7 +233,7 @@ def plan_residency(g: GGUFFile, n_ctx: int, kv_dtype: torch.dtype, budget_gib: f
     wrong shape, or a budget below the minimum (the message gives the minimum).
     """
     from ..convert.placement import place_neurons
-    from .model import KVCache
+    from .kv_cache import KVCache
 
     a = ModelArgs.from_gguf(g)
     if not a.sparse:
@@ -255,7 +256,8 @@ def plan_residency(g: GGUFFile, n_ctx: int, kv_dtype: torch.dtype, budget_gib: f
                 embd = int(t.n_bytes)
             continue
         fixed[kind] += int(t.n_bytes)
-    kv = KVCache.nbytes(a.n_layer, n_ctx, a.n_head_kv, a.head_dim, kv_dtype)
+    kv_k, kv_v = kv_dtype if isinstance(kv_dtype, tuple) else (kv_dtype, kv_dtype)
+    kv = KVCache.nbytes(a.n_layer, n_ctx, a.n_head_kv, a.head_dim, kv_k, kv_v)
     plan = ResidencyPlan(budget=int(budget_gib * GIB), interpreter=rss_bytes() if interpreter is None else interpreter,
                          fixed=fixed, kv_cache=kv, scratch=SCRATCH_BYTES, embedding=embd, neuron_bytes=nb,
                          parts=parts, n_layer=a.n_layer, n_ff=a.n_ff, counts_source=counts_source)

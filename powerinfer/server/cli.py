@@ -13,7 +13,8 @@ import sys
 
 import click
 
-from ..cli_params import PiCommand, FiniteFloat, check_ctx_size, check_threads, version_option
+from ..cli_params import (PiCommand, FiniteFloat, cache_type_options, check_cache_type, check_ctx_size, check_threads,
+                          version_option)
 from ..errors import PowerInferError, cli_errors
 from ..limits import MAX_BUDGET_GIB
 from ..runtime.cli import DTYPE_NAMES
@@ -83,11 +84,12 @@ def _check_port_free(host: str, port: int) -> None:
                    "(0: always that).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
+@cache_type_options
 @version_option("pi-server")
 @cli_errors
 def main(model_path, host, port, ctx_size, n_parallel, ubatch, ffn_batch, metrics, threads, dense, dtype,
          kernel_backend, vram_budget, ram_budget, alias, api_key, max_queue, template_kwargs, reasoning_format,
-         similarity, log_level):
+         similarity, log_level, cache_type_k, cache_type_v):
     """Serve a model: POST /v1/completions, /v1/chat/completions (stream or not), /completion, /apply-template;
     GET /v1/models, /health, /slots, /metrics. -np N requests are decoded at once (continuous batching), more wait
     in arrival order."""
@@ -99,6 +101,8 @@ def main(model_path, host, port, ctx_size, n_parallel, ubatch, ffn_batch, metric
                               "FFN rows from full matrices); serve one request at a time under a RAM budget")
     check_ctx_size(ctx_size)
     check_threads(threads)
+    check_cache_type(cache_type_k, "--cache-type-k")
+    check_cache_type(cache_type_v, "--cache-type-v")
     from ..runtime.chat import check_file_template, check_template_kwargs
 
     template_kwargs = check_template_kwargs(template_kwargs, "--chat-template-kwargs")
@@ -114,7 +118,8 @@ def main(model_path, host, port, ctx_size, n_parallel, ubatch, ffn_batch, metric
 
     model, tok = open_for_inference(model_path, dtype=dtype, dense=dense, ctx_size=ctx_size, threads=threads,
                                     kernel_backend=kernel_backend, vram_budget=vram_budget, ram_budget=ram_budget,
-                                    note=lambda s: click.echo(s, err=True))
+                                    note=lambda s: click.echo(s, err=True), cache_type_k=cache_type_k,
+                                    cache_type_v=cache_type_v)
     template = template_for(tok, template_kwargs)
     engine = Scheduler(model, tok, n_parallel, max_queue=max_queue, ubatch=ubatch, ffn_mode=ffn_batch,
                        slot_prompt_similarity=similarity)

@@ -44,7 +44,8 @@ import torch
 from ..errors import PowerInferError
 from ..runtime.batch import BatchDecoder, new_cache, prefill
 from ..runtime.generate import GenStats, sample
-from ..runtime.model import KVCache, Transformer
+from ..runtime.kv_cache import KVCache
+from ..runtime.model import Transformer
 from ..runtime.session import StopMatcher, common_prefix, end_ids
 from ..runtime.tokenizer import GGUFTokenizer, TextStream
 from .engine import Job, QueueFull, Result
