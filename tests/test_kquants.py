@@ -257,7 +257,7 @@ def test_type_without_kernel_is_refused_before_any_allocation_when_it_does_not_f
     path, _, names = q4_1_file
     loads = []
     monkeypatch.setattr(model_mod, "load_matrix", lambda *a, **k: loads.append(a) or weights.load_matrix(*a, **k))
-    monkeypatch.setattr(model_mod, "_available_memory", lambda: 1000)  # bytes: less than one copy
+    monkeypatch.setattr(model_mod, "available_memory", lambda: 1000)  # bytes: less than one copy
     with pytest.raises(PowerInferError) as e:
         model_mod.Transformer(open_gguf(path))
     msg = str(e.value)
@@ -265,7 +265,7 @@ def test_type_without_kernel_is_refused_before_any_allocation_when_it_does_not_f
     assert "no kernel" in msg and "1000" not in msg and "memory available" in msg
     assert loads == []  # refused before the first tensor was loaded
     # the same file with room for the copies loads (the limit, not the type, refused it)
-    monkeypatch.setattr(model_mod, "_available_memory", lambda: 1 << 40)
+    monkeypatch.setattr(model_mod, "available_memory", lambda: 1 << 40)
     model_mod.Transformer(open_gguf(path))
     assert loads
 

@@ -29,7 +29,7 @@ from test_server import Server
 
 FUZZ_CASES = 300  # 15-20 s on this 2-core VM; the whole test about 45 s with the model built and the server started
 POSTS = {"/v1/completions", "/completions", "/v1/chat/completions", "/chat/completions", "/completion",
-         "/tokenize", "/detokenize"}
+         "/tokenize", "/detokenize", "/apply-template"}
 
 
 @pytest.fixture(scope="module")

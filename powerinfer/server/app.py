@@ -69,7 +69,7 @@ class ServerState:
 
 BODIES = {"CompletionRequest": CompletionRequest, "ChatRequest": ChatRequest,
           "NativeCompletionRequest": NativeCompletionRequest, "TokenizeRequest": TokenizeRequest,
-          "DetokenizeRequest": DetokenizeRequest}
+          "DetokenizeRequest": DetokenizeRequest, "ApplyTemplateRequest": ApplyTemplateRequest}
 
 
 def _body(name: str) -> dict:
@@ -159,7 +159,7 @@ def create_app(state: ServerState) -> FastAPI:
             split = functools.partial(ReasoningSplitter, opens_thinking(text))
         return await _respond(request, state, req, ids, limit, "chat", split)
 
-    @api.post("/apply-template")
+    @api.post("/apply-template", openapi_extra=_body("ApplyTemplateRequest"))
     async def apply_template(request: Request) -> dict:
         """llama-server's ``POST /apply-template``: ``{"prompt": text}``, the conversation as the chat
         endpoint renders it (BOS text kept when the template writes it)."""
