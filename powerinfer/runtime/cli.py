@@ -129,6 +129,9 @@ def bench_report(model: "Transformer", st: "GenStats", path: str) -> str:
     from .hybrid import placement_lines  # --vram-budget: MB per device, busy share of decode time
 
     lines += placement_lines(model, st.n_eval)
+    from .input_sparse import sparsity_lines  # TEAL files: inputs zeroed per matrix kind
+
+    lines += sparsity_lines(model)
     from .cold_rows import budget_lines  # --ram-budget: resident MB by kind, reads per token, hit rate
 
     lines += budget_lines(model)
