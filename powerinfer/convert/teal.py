@@ -164,6 +164,8 @@ def write_teal(src: str | Path, dst: str | Path, thresholds: torch.Tensor, spars
         raise PowerInferError(f"{src}: fused attn_qkv is not supported with input sparsity")
     if tuple(thresholds.shape) != (a.n_layer, len(KINDS)):
         raise PowerInferError(f"thresholds of shape {tuple(thresholds.shape)}, the model has {a.n_layer} layers")
+    if not bool(torch.isfinite(thresholds).all()) or bool((thresholds < 0).any()):
+        raise PowerInferError("thresholds must be finite and >= 0")
     if outtype is not None and outtype.lower() not in OUTTYPES:
         raise PowerInferError(f"--outtype {outtype!r}: expected one of {', '.join(OUTTYPES)}")
     check_outfile(dst, [src])
