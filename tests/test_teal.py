@@ -81,7 +81,9 @@ def test_products_equal_masked_dense_reference(files, key):
         if p.bias is not None:
             ref = ref + p.bias
         tol = 1e-5 * (1 + ref.abs().max().item())
+        p.n_in = p.n_kept = 0
         assert (p(x) - ref).abs().max().item() <= tol, (i, kind, "prompt")
+        assert p.n_kept == int((x.abs() >= p.threshold).sum()) and p.n_in == x.numel()
         p.n_in = p.n_kept = 0
         dec = torch.cat([p(x[t:t + 1]) for t in range(x.shape[0])])
         assert (dec - ref).abs().max().item() <= tol, (i, kind, "decode")

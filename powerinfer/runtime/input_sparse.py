@@ -103,9 +103,8 @@ class InputSparseLinear:
             self.recorder(x)
         T = x.shape[0]
         if not self.input_major:
-            if T == 1:
-                self.n_in += x.shape[1]
-                self.n_kept += x.shape[1]
+            self.n_in += x.numel()
+            self.n_kept += x.numel()
             return linear(x, self.w, self.bias)
         thr = 0.0 if dense else self.threshold
         ws = self.w if isinstance(self.w, list) else [self.w]
@@ -117,7 +116,10 @@ class InputSparseLinear:
             coef = x0.float()[idx]
             y = torch.cat([kernels.rows_axpy(idx, w, coef).float() for w in ws])[None]
         else:
-            xm = x.float() if dense else x.float() * (x.abs() >= thr)
+            keep = x.abs() >= thr
+            self.n_in += x.numel()
+            self.n_kept += x.numel() if dense else int(keep.sum())
+            xm = x.float() if dense else x.float() * keep
             y = torch.cat([_rows_matmul(xm, w) for w in ws], dim=-1)
         y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
@@ -170,7 +172,7 @@ class TealFFN:
         out = self.down(hidden, self.dense)
         T = xn.shape[0]
         self.n_calls += T
-        self.n_active += (self.down.n_kept - kept0) if T == 1 else T * self.n_ff  # prompts: masked dense
+        self.n_active += self.down.n_kept - kept0
         self.t_ffn += time.perf_counter() - t0
         return out
 
@@ -274,7 +276,7 @@ class TealTransformer(Transformer):
             p.n_in = p.n_kept = 0
 
     def sparsity_by_kind(self) -> dict[str, float | None]:
-        """Share of decode inputs zeroed per kind (over all layers), None where no decode token ran."""
+        """Share of inputs zeroed per kind (over all layers and tokens so far), None before any token."""
         out = {}
         for kind in KINDS:
             n = sum(p.n_in for _, k, p in self.products() if k == kind)
@@ -284,11 +286,11 @@ class TealTransformer(Transformer):
 
 
 def sparsity_lines(model) -> list[str]:
-    """``pi-run --bench`` lines: the input sparsity reached at decode per matrix kind (TEAL files only)."""
+    """``pi-run --bench`` lines: the input sparsity reached per matrix kind (TEAL files only)."""
     if not isinstance(model, TealTransformer) or model.teal is None:
         return []
     by = model.sparsity_by_kind()
     parts = ", ".join(f"{k} {'-' if v is None else f'{100 * v:.1f}%'}" for k, v in by.items())
     t = model.teal
-    return [f"  input sparsity reached at decode (target {100 * t.sparsity:.0f}%, {t.method}"
+    return [f"  input sparsity reached, prompt and decode (target {100 * t.sparsity:.0f}%, {t.method}"
             f"{', dense run' if model.teal_dense else ''}): {parts}"]
