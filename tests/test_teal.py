@@ -238,3 +238,45 @@ def test_ram_budget_and_batching_refuse_a_teal_file(files):
     model, _ = load_model(f)
     with pytest.raises(PowerInferError, match=r"-np > 1\) do not run input-sparse"):
         check_batchable(model)
+
+
+def test_greedy_allocation_reaches_the_target_per_block(files):
+    """TEAL's greedy allocation: each block's parameter-weighted sparsity equals the target, the inputs get
+    different levels, and the block error it reaches is at most uniform's on the same tokens."""
+    from powerinfer.convert.teal import calibrate, greedy_levels
+
+    dense = files["llama3", "f32"][0]
+    hist, _ = calibrate(dense, TEXT)
+    lv = greedy_levels(dense, hist, TEXT, S).double()
+    D, F_, hd = 64, 128, 16
+    params = torch.tensor([(4 + 2 * 2) * hd * D, D * 4 * hd, 2 * F_ * D, F_ * D], dtype=torch.float64)
+    w = params / params.sum()
+    assert torch.allclose(lv @ w, torch.full((3,), S, dtype=torch.float64), atol=1e-6)
+    assert (lv.max(1).values - lv.min(1).values > 0.05).all()  # not uniform
+    assert (lv >= 0).all() and (lv <= 0.9 + 1e-6).all()
+
+
+def test_pi_perplexity_compare_on_stories260k(tmp_path):
+    """The real stories260K (SiLU): ``--compare`` on its TEAL file gives the dense file's perplexity for the
+    dense run (same weights, input-major layout) and a higher one for the sparse run."""
+    from helpers import STORIES, TEXT as TEXTS
+
+    from powerinfer.eval.cli import main as ppl_main
+
+    from powerinfer.convert.teal_cli import main
+
+    src = STORIES / "stories260K.ggml-org.gguf"
+    val = (TEXTS / "tinystories_val.txt").read_text()
+    (tmp_path / "cal.txt").write_text(val[:20000])
+    (tmp_path / "ev.txt").write_text(val[-6000:])
+    r = CliRunner().invoke(main, [str(src), str(tmp_path / "s.gguf"), "--sparsity", "0.4", "--method", "greedy",
+                                  "--data", str(tmp_path / "cal.txt")])
+    assert r.exit_code == 0 and "greedy" in r.output, r.output
+    args = ["-f", str(tmp_path / "ev.txt"), "-c", "128", "--chunks", "4", "--dtype", "f32"]
+    dense = CliRunner().invoke(ppl_main, ["-m", str(src), *args])
+    cmp_ = CliRunner().invoke(ppl_main, ["-m", str(tmp_path / "s.gguf"), *args, "--compare"])
+    assert dense.exit_code == 0 and cmp_.exit_code == 0, cmp_.output
+    ppl_dense = float(dense.output.split("Final estimate: PPL = ")[1].split()[0])
+    rows = {l.split()[0]: l.split() for l in cmp_.output.splitlines() if l.startswith(("dense ", "teal "))}
+    assert float(rows["dense"][1]) == pytest.approx(ppl_dense, rel=1e-4)
+    assert float(rows["teal"][1]) > 1.02 * ppl_dense

@@ -40,11 +40,13 @@ from ..limits import MAX_BUDGET_GIB, MAX_THRESHOLD
 @click.option("--data", "data", type=click.Path(dir_okay=False), default=None,
               help="With --sparsity: calibrate on this text in the same run (histograms saved to the activation "
                    "folder when one is given).")
+@click.option("--method", type=click.Choice(("uniform", "greedy")), default="uniform", show_default=True,
+              help="With --sparsity: every input at S, or TEAL's greedy block-wise allocation (needs --data).")
 @ffn_activation_option
 @version_option("pi-convert")
 @cli_errors
 def main(model_dir, pred_dir, outfile, outtype, predictor_type, sparse_threshold, vram_budget, activation_dir,
-         for_pi_run, sparsity, data):
+         for_pi_run, sparsity, data, method):
     """Write MODEL_DIR as a PowerInfer GGUF with the predictors in PRED_DIR, or a dense GGUF without."""
     if sparsity is not None:
         from .teal import check_sparsity
@@ -54,7 +56,7 @@ def main(model_dir, pred_dir, outfile, outtype, predictor_type, sparse_threshold
         raise PowerInferError("--data calibrates input sparsity: give --sparsity S with it")
     require_model_folder(model_dir)  # before torch and transformers are imported (seconds)
     if sparsity is not None:
-        return _convert_teal(model_dir, pred_dir, outfile, outtype.lower(), sparsity, data)
+        return _convert_teal(model_dir, pred_dir, outfile, outtype.lower(), sparsity, data, method)
     if pred_dir is not None:
         require_folder(pred_dir, "predictor")
     if activation_dir is not None:
@@ -85,7 +87,7 @@ def main(model_dir, pred_dir, outfile, outtype, predictor_type, sparse_threshold
 
 
 def _convert_teal(model_dir: str, act_dir: str | None, outfile: str, outtype: str, sparsity: float,
-                  data: str | None) -> None:
+                  data: str | None, method: str = "uniform") -> None:
     """``--sparsity``: MODEL_DIR -> a temporary dense GGUF (``outtype``) -> calibrated (``data``) or read
     (``act_dir``) histograms -> the TEAL file at ``outfile``; the temporary file is removed."""
     import tempfile
@@ -102,8 +104,8 @@ def _convert_teal(model_dir: str, act_dir: str | None, outfile: str, outtype: st
     check_outfile(outfile, [model_dir])
     with tempfile.TemporaryDirectory(prefix="pi-teal-", dir=Path(outfile).resolve().parent) as tmp:
         dense = convert(model_dir, Path(tmp) / "dense.gguf", None, outtype, None, upstream_warnings=False)
-        out, _ = sparsify(dense, outfile, sparsity, text, act_dir, None)
-    click.echo(f"wrote {out} (input-sparse GGUF, target {100 * sparsity:.0f}%, uniform; "
+        out, _ = sparsify(dense, outfile, sparsity, text, act_dir, None, method=method)
+    click.echo(f"wrote {out} (input-sparse GGUF, target {100 * sparsity:.0f}%, {method}; "
                f"{out.stat().st_size / 1e6:.2f} MB)")
 
 

@@ -12,8 +12,15 @@ Activation folder (this project's contract, beside the ``activation_{i}.pt`` cou
 ``input_hist_{i}.pt`` (int64 ``[4, N_BINS]``, :data:`KINDS` rows; ``torch.load(weights_only=True)``)
 and ``input_hist.json`` (``lo``, ``hi``, ``n_bins``, ``n_tokens``, ``source``).
 
-Allocation shipped: **uniform** (every input at the target sparsity ``S``; the parameter-weighted
-average is then ``S`` too). TEAL's greedy block-wise allocation is not implemented.
+Allocation (``method``):
+
+* ``uniform``: every input at the target sparsity ``S`` (the parameter-weighted average is ``S`` too);
+* ``greedy``: TEAL's block-wise greedy allocation. Per block, on the block inputs of the first
+  :data:`GREEDY_TOKENS` calibration tokens (the dense model's residual stream), all four inputs start
+  dense; each step considers raising one input's sparsity by as much as raises the block's
+  parameter-weighted sparsity (q/k/v, attn_output, gate+up, down weighted by their parameters) by
+  :data:`GREEDY_STEP`, and takes the raise that grows the squared error of the block output (against
+  the dense block) least, until the block's sparsity reaches ``S``.
 
 Writing streams the input GGUF (every tensor and key kept, in order; the TEAL keys added; each
 sparsified matrix dequantized, transposed and re-encoded along its outputs in its own type, or
@@ -39,6 +46,8 @@ from .quantize import _copy_metadata, _copy_raw, _drop_pages, _torch_shape
 from .tensor_types import encode
 
 LO, HI, N_BINS = 1e-6, 1e3, 3072
+GREEDY_TOKENS = 256  # calibration tokens the greedy allocation measures block errors on
+GREEDY_STEP = 0.025  # block-level sparsity added per greedy step
 MIN_TOKENS = 256  # calibration tokens needed (each input then has >= 256 * n_embd samples)
 HIST_FILE = "input_hist_{i}.pt"
 HIST_META = "input_hist.json"
@@ -146,6 +155,72 @@ def uniform_thresholds(hist: torch.Tensor, s: float) -> torch.Tensor:
                         dtype=torch.float32)
 
 
+def greedy_levels(gguf_path: str | Path, hist: torch.Tensor, text: str, s: float, step: float = GREEDY_STEP,
+                  n_tokens: int = GREEDY_TOKENS) -> torch.Tensor:
+    """Per-input sparsity levels float32 ``[n_layer, 4]`` by TEAL's greedy block-wise allocation (module
+    docstring) for target ``s``, from histograms ``hist`` and the first ``n_tokens`` tokens of ``text``."""
+    from ..runtime.input_sparse import TealTransformer
+    from ..runtime.tokenizer import GGUFTokenizer
+
+    g = open_gguf(gguf_path)
+    ids = GGUFTokenizer(g).encode(text)[:n_tokens]
+    if len(ids) < MIN_TOKENS:
+        raise PowerInferError(f"calibration text too short: {len(ids)} tokens, at least {MIN_TOKENS} needed")
+    model = TealTransformer(g, torch.float32, dense=True, n_ctx=len(ids))
+    a = model.args
+    hd = a.head_dim
+    params = torch.tensor([(a.n_head + 2 * a.n_head_kv) * hd * a.n_embd, a.n_embd * a.n_head * hd,
+                           2 * a.n_ff * a.n_embd, a.n_ff * a.n_embd], dtype=torch.float64)
+    wgt = params / params.sum()
+    inputs = {}
+    block = model.block
+    model.block = lambda i, layer, x, pos: (inputs.__setitem__(i, x.clone()), block(i, layer, x, pos))[1]
+    levels = torch.zeros(a.n_layer, len(KINDS), dtype=torch.float64)
+    try:
+        with torch.inference_mode():
+            model.forward(torch.tensor(ids, dtype=torch.long), 0)
+            for i, layer in enumerate(model.layers):
+                prods = [model.teal_layers[i].products[k] for k in KINDS]
+                x = inputs[i]
+
+                def err(lv) -> float:
+                    for k, p in enumerate(prods):
+                        p.mask_threshold = threshold_for(hist[i, k], float(lv[k]))
+                    return float(((block(i, layer, x, 0) - ref) ** 2).sum())
+
+                for p in prods:
+                    p.mask_threshold = 0.0
+                ref = block(i, layer, x, 0)
+                lv = levels[i]
+                while float((lv * wgt).sum()) < s - 1e-9:
+                    best = None
+                    for k in range(len(KINDS)):
+                        if lv[k] >= MAX_SPARSITY - 1e-9:
+                            continue
+                        trial = lv.clone()  # each candidate raises the block's sparsity by the same step
+                        trial[k] = min(MAX_SPARSITY, float(lv[k]) + step / float(wgt[k]))
+                        e = err(trial)
+                        if best is None or e < best[0]:
+                            best = (e, k, trial)
+                    if best is None:
+                        break
+                    lv.copy_(best[2])
+                    over = float((lv * wgt).sum()) - s  # the last step may overshoot: take it back partly
+                    if over > 0:
+                        lv[best[1]] -= over / float(wgt[best[1]])
+                for p in prods:
+                    p.mask_threshold = 0.0
+    finally:
+        del model.block
+    return levels.float()
+
+
+def level_thresholds(hist: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """float32 ``[n_layer, 4]``: each input's threshold for its own sparsity level ``levels[i, k]``."""
+    return torch.tensor([[threshold_for(hist[i, k], float(levels[i, k])) for k in range(len(KINDS))]
+                         for i in range(hist.shape[0])], dtype=torch.float32)
+
+
 def write_teal(src: str | Path, dst: str | Path, thresholds: torch.Tensor, sparsity: float, method: str = "uniform",
                outtype: str | None = None) -> Path:
     """Write ``src`` (a dense GGUF) as a TEAL file at ``dst``: thresholds ``[n_layer, 4]``, each matrix of a
@@ -232,10 +307,16 @@ def _dequant(t, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def sparsify(src: str | Path, dst: str | Path, sparsity: float, text: str | None = None,
-             act_dir: str | Path | None = None, outtype: str | None = None, n_ctx: int = 512) -> tuple[Path, torch.Tensor]:
+             act_dir: str | Path | None = None, outtype: str | None = None, n_ctx: int = 512,
+             method: str = "uniform") -> tuple[Path, torch.Tensor]:
     """Calibrate ``src`` on ``text`` (histograms saved to ``act_dir`` when given) or read ``act_dir``'s
-    histograms, set uniform thresholds for ``sparsity`` and write ``dst``; returns it and the thresholds."""
+    histograms, set thresholds for ``sparsity`` by ``method`` (``uniform``; ``greedy`` needs ``text``)
+    and write ``dst``; returns it and the thresholds."""
     sparsity = check_sparsity(sparsity)
+    if method not in ("uniform", "greedy"):
+        raise PowerInferError(f"--method {method!r}: expected uniform or greedy")
+    if method == "greedy" and text is None:
+        raise PowerInferError("--method greedy measures block errors on the calibration text: give --data TEXT")
     from ..runtime.args import ModelArgs
     from ..runtime.input_sparse import check_family
 
@@ -251,5 +332,8 @@ def sparsify(src: str | Path, dst: str | Path, sparsity: float, text: str | None
         hist = load_hist(act_dir, a.n_layer)
     else:
         raise PowerInferError("give --data TEXT (calibrate now) or an activation folder with input histograms")
-    thr = uniform_thresholds(hist, sparsity)
-    return write_teal(src, dst, thr, sparsity, "uniform", outtype), thr
+    if method == "greedy":
+        thr = level_thresholds(hist, greedy_levels(src, hist, text, sparsity))
+    else:
+        thr = uniform_thresholds(hist, sparsity)
+    return write_teal(src, dst, thr, sparsity, method, outtype), thr

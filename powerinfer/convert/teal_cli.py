@@ -27,11 +27,13 @@ def read_text(path: str) -> str:
               help="Activation folder: input_hist_{i}.pt written (with --data) or read (without).")
 @click.option("--outtype", type=click.Choice(OUTTYPES, case_sensitive=False), default=None,
               help="Type of the input-major matrices (default: each matrix's own type; K-quants need one).")
+@click.option("--method", type=click.Choice(("uniform", "greedy")), default="uniform", show_default=True,
+              help="Per-input levels: every input at SPARSITY, or TEAL's greedy block-wise allocation (needs --data).")
 @click.option("-c", "--ctx-size", "n_ctx", type=click.IntRange(16, 1 << 16), default=512, show_default=True,
               help="Tokens per calibration chunk.")
 @version_option("pi-sparsify")
 @cli_errors
-def main(infile, outfile, sparsity, data, act_dir, outtype, n_ctx):
+def main(infile, outfile, sparsity, data, act_dir, method, outtype, n_ctx):
     """Calibrate INFILE (a dense SiLU/GELU-gated GGUF: Llama, Qwen2/3, Mistral) through the runtime and write
     OUTFILE with per-input thresholds for SPARSITY and the sparsified matrices stored input-major."""
     from .teal import check_sparsity
@@ -41,8 +43,8 @@ def main(infile, outfile, sparsity, data, act_dir, outtype, n_ctx):
     text = read_text(data) if data is not None else None
     from .teal import sparsify
 
-    out, thr = sparsify(infile, outfile, sparsity, text, act_dir, outtype.lower() if outtype else None, n_ctx)
-    click.echo(f"wrote {out} (input-sparse GGUF, target {100 * sparsity:.0f}%, uniform; "
+    out, thr = sparsify(infile, outfile, sparsity, text, act_dir, outtype.lower() if outtype else None, n_ctx, method)
+    click.echo(f"wrote {out} (input-sparse GGUF, target {100 * sparsity:.0f}%, {method}; "
                f"{out.stat().st_size / 1e6:.2f} MB)")
 
 

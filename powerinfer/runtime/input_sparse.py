@@ -87,6 +87,7 @@ class InputSparseLinear:
     n_in: int = 0
     n_kept: int = 0
     recorder: Callable[[torch.Tensor], None] | None = None  # calibration: sees every input before masking
+    mask_threshold: float = 0.0  # calibration (greedy allocation): zero inputs below it on a row-major W too
 
     @property
     def input_major(self) -> bool:
@@ -102,6 +103,8 @@ class InputSparseLinear:
         if self.recorder is not None:
             self.recorder(x)
         T = x.shape[0]
+        if self.mask_threshold > 0:
+            x = x * (x.abs() >= self.mask_threshold)
         if not self.input_major:
             self.n_in += x.numel()
             self.n_kept += x.numel()
