@@ -193,8 +193,9 @@ def main(model_path, text_path, ctx_size, n_chunks, n_batch, threads, dtype, den
     sparse_file = g.sparse
     if (oracle or compare) and not sparse_file:
         flag = "--oracle" if oracle else "--compare"
-        raise PowerInferError(f"{model_path}: a dense GGUF (no predictors): {flag} needs a PowerInfer GGUF "
-                              "(PWRI, from pi-convert MODEL PRED_DIR); without the flag it is evaluated dense")
+        raise PowerInferError(f"{model_path}: a dense GGUF (no predictors, no TEAL thresholds): {flag} needs a "
+                              "PowerInfer GGUF (PWRI, from pi-convert MODEL PRED_DIR) or an input-sparse GGUF "
+                              "(pi-sparsify); without the flag it is evaluated dense")
     if ram_budget is not None and not sparse_file:  # as pi-run: a budget is not silently ignored
         raise PowerInferError(f"{model_path}: a dense GGUF (no predictors): --ram-budget needs a PowerInfer GGUF "
                               "(PWRI, from pi-convert MODEL PRED_DIR) whose predictors say which FFN rows to read")

@@ -44,7 +44,7 @@ from . import kernels
 from .args import ModelArgs
 from .kernels import linear
 from .model import Layer, Norm, Transformer, load_head_norm, load_norm, _maybe
-from .weights import load_matrix, tensor_shape
+from .weights import _release, load_matrix, tensor_shape
 
 DENSE_ACTS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh")
 
@@ -210,6 +210,10 @@ def _load_product(g: GGUFFile, i: int, kind: str, thr: float, a: ModelArgs, dtyp
         w = torch.cat(parts, dim=0)
     else:
         w = parts[0] if len(parts) == 1 else parts
+    if len(parts) > 1 and not isinstance(w, list):  # joined into a copy: the mapped pages are dropped
+        del parts
+        for name in names:
+            _release(g, g.tensors[stored_name(name, sparse)])
     bias = None
     if kind == "qkv":
         bs = [_maybe(g, f"{n}.bias", dtype) for n in names]
