@@ -143,6 +143,14 @@ def test_bench_prints_sparsity_per_kind(files):
         v = float(line.split(f"{kind} ")[1].split("%")[0])
         assert 5 < v < 80, line
 
+    def kb(out: str) -> float:
+        return float(out.split("weights read: ")[1].split(" KB")[0])
+
+    d = CliRunner().invoke(main, ["-m", str(files["llama3", "q4_0"][0]), "-n", "6", "--bench", "-p", "Once upon"])
+    assert d.exit_code == 0 and "input sparsity" not in d.output, d.output
+    assert 0.5 * kb(d.output) < kb(r.output) < 0.9 * kb(d.output)  # the kept rows only (output head dense)
+    assert "FFN neurons computed" not in r.output
+
 
 def test_pi_sparsify_and_pi_convert(files, tmp_path):
     """``pi-sparsify`` on a GGUF (histograms to an activation folder, then reused) and ``pi-convert

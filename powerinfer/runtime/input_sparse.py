@@ -292,6 +292,18 @@ class TealTransformer(Transformer):
         return out
 
 
+def bytes_per_token(model: TealTransformer) -> int:
+    """Weight bytes one token reads: the output head, and each product's matrix times the share of its
+    inputs kept so far (all of it for a dense input or before any token)."""
+    from .weights import weight_nbytes
+
+    n = weight_nbytes(model.output)
+    for _, _, p in model.products():
+        share = p.n_kept / p.n_in if p.input_major and p.n_in else 1.0
+        n += weight_nbytes(p.w) * share
+    return int(n)
+
+
 def sparsity_lines(model) -> list[str]:
     """``pi-run --bench`` lines: the input sparsity reached per matrix kind (TEAL files only)."""
     if not isinstance(model, TealTransformer) or model.teal is None:
