@@ -288,3 +288,45 @@ def test_pi_perplexity_compare_on_stories260k(tmp_path):
     rows = {l.split()[0]: l.split() for l in cmp_.output.splitlines() if l.startswith(("dense ", "teal "))}
     assert float(rows["dense"][1]) == pytest.approx(ppl_dense, rel=1e-4)
     assert float(rows["teal"][1]) > 1.02 * ppl_dense
+
+
+def test_outtype_requantizes_the_input_major_matrices(files, tmp_path):
+    """``--outtype q4_0`` on an f32 GGUF: the ``_t`` matrices are Q4_0 (quantized along the outputs), the rest
+    copied as they are, and the products still equal the masked reference on the stored values."""
+    from powerinfer.convert.teal import load_hist, sparsify
+    from powerinfer.runtime.input_sparse import TealTransformer
+
+    dense = files["llama3", "f32"][0]
+    out, thr = sparsify(dense, tmp_path / "q.gguf", S, TEXT, act_dir=tmp_path / "act", outtype="q4_0")
+    assert load_hist(tmp_path / "act", 3).shape[:2] == (3, 4)
+    g = open_gguf(out)
+    assert g.tensors["blk.0.attn_q_t.weight"].tensor_type.name == "Q4_0"
+    assert g.tensors["blk.2.ffn_down_t.weight"].tensor_type.name == "Q4_0"
+    assert g.tensors["output.weight"].tensor_type.name == "F32" and g.tensors["token_embd.weight"].tensor_type.name == "F32"
+    model = TealTransformer(g)
+    for (i, kind), x in _record_inputs(model, PROMPT).items():
+        p = model.teal_layers[i].products[kind]
+        ref = (x * (x.abs() >= p.threshold)) @ _wt_f32(p.w)
+        dec = torch.cat([p(x[t:t + 1]) for t in range(x.shape[0])])
+        assert (dec - ref).abs().max().item() <= 1e-5 * (1 + ref.abs().max().item())
+
+
+def test_writer_refuses_a_sparse_input_and_bad_thresholds_without_a_file(files, tmp_path):
+    from powerinfer.convert.teal import write_teal
+
+    with pytest.raises(PowerInferError, match="not a dense GGUF"):
+        write_teal(files["llama3", "f32"][1], tmp_path / "x.gguf", torch.ones(3, 4), S)
+    with pytest.raises(PowerInferError, match="finite and >= 0"):
+        write_teal(files["llama3", "f32"][0], tmp_path / "x.gguf", torch.full((3, 4), float("nan")), S)
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_dense_gguf_with_compare_is_one_line(files, tmp_path):
+    """A GGUF without thresholds (or predictors) run with ``--compare``: one line naming both sparse kinds."""
+    from powerinfer.eval.cli import main as ppl_main
+
+    (tmp_path / "ev.txt").write_text(TEXT)
+    r = CliRunner().invoke(ppl_main, ["-m", str(files["llama3", "f32"][0]), "-f", str(tmp_path / "ev.txt"),
+                                      "--compare"])
+    assert r.exit_code != 0 and "no TEAL thresholds" in r.output and "pi-sparsify" in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1
