@@ -36,11 +36,13 @@ def files(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("teal")
     out = {}
-    for fam, types in (("llama3", TYPES), ("qwen2", ("f32",)), ("qwen3", ("f32",))):
+    for fam, types in (("llama3", TYPES), ("qwen2", ("f32",)), ("qwen3", ("f32",)), ("mistral", ("f32",)),
+                       ("nemo", ("f32",))):
         d = MODERN_BUILDERS[fam](tmp / fam)
         dense = {t: convert(d, tmp / f"{fam}-{t}.gguf", outtype=t, progress=False) for t in types}
         hist, n = calibrate(dense["f32"], TEXT)
         assert hist.shape == (3, 4, hist.shape[2]) and int(hist[0, 0].sum()) == n * 64  # every entry counted
+        assert int(hist[0, 3].sum()) == n * 128  # ffn_down's input: n_ff entries per token
         thr = uniform_thresholds(hist, S)
         for t in types:
             out[fam, t] = (dense[t], write_teal(dense[t], tmp / f"{fam}-{t}.teal.gguf", thr, S))
@@ -64,7 +66,8 @@ def _record_inputs(model, ids):
     return seen
 
 
-@pytest.mark.parametrize("key", [("llama3", t) for t in TYPES] + [("qwen2", "f32"), ("qwen3", "f32")])
+@pytest.mark.parametrize("key", [("llama3", t) for t in TYPES] + [(f, "f32") for f in ("qwen2", "qwen3", "mistral",
+                                                                                       "nemo")])
 def test_products_equal_masked_dense_reference(files, key):
     """Decode (one token: AXPY over the kept rows) and prompt (masked tiles) products of every kind equal
     ``(x * (|x| >= t)) @ W^T (+ b)`` on the stored values; the mask drops about S of the inputs."""
@@ -113,20 +116,21 @@ def test_file_contract(files):
     assert not g.sparse  # GGUF magic, not PWRI
 
 
-def test_decode_equals_prompt_and_dense_run_differs(files):
+@pytest.mark.parametrize("key", [("llama3", "q8_0"), ("mistral", "f32")])  # mistral: window 8 < the prompt
+def test_decode_equals_prompt_and_dense_run_differs(files, key):
     """Token-by-token logits (AXPY path) equal one prompt's (masked tiles); ``dense=True`` on the same file
     equals the dense GGUF; the sparse model differs from it."""
     from powerinfer.runtime.input_sparse import TealTransformer
     from powerinfer.runtime.model import Transformer
 
-    dense_f, teal_f = files["llama3", "q8_0"]
+    dense_f, teal_f = files[key]
     m = TealTransformer(open_gguf(teal_f))
     lp = m.forward(PROMPT, 0, all_logits=True)
     for t in range(len(PROMPT)):
         assert (m.forward(PROMPT[t:t + 1], t) - lp[t]).abs().max().item() < 1e-4
     by = m.sparsity_by_kind()
     assert all(0.1 < v < 0.7 for v in by.values()), by
-    dense_f, teal_f = files["llama3", "f32"]
+    dense_f, teal_f = files[key[0], "f32"]
     ref = Transformer(open_gguf(dense_f)).forward(PROMPT, 0, all_logits=True)
     md = TealTransformer(open_gguf(teal_f), dense=True)
     assert (md.forward(PROMPT, 0, all_logits=True) - ref).abs().max().item() < 1e-4
