@@ -43,6 +43,7 @@ def files(tmp_path_factory):
         hist, n = calibrate(dense["f32"], TEXT)
         assert hist.shape == (3, 4, hist.shape[2]) and int(hist[0, 0].sum()) == n * 64  # every entry counted
         assert int(hist[0, 3].sum()) == n * 128  # ffn_down's input: n_ff entries per token
+        assert int(hist[0, 1].sum()) == n * {"nemo": 96, "qwen3": 128}.get(fam, 64)  # attn_output's: n_head * head_dim
         thr = uniform_thresholds(hist, S)
         for t in types:
             out[fam, t] = (dense[t], write_teal(dense[t], tmp / f"{fam}-{t}.teal.gguf", thr, S))
