@@ -248,9 +248,13 @@ def test_ram_budget_and_batching_refuse_a_teal_file(files):
     f = str(files["llama3", "q4_0"][1])
     with pytest.raises(PowerInferError, match="--ram-budget does not run input-sparse"):
         load_model(f, ram_budget=1.0)
-    model, _ = load_model(f)
+    model, tok = load_model(f)
     with pytest.raises(PowerInferError, match=r"-np > 1\) do not run input-sparse"):
         check_batchable(model)
+    from powerinfer.server.scheduler import Scheduler
+
+    with pytest.raises(PowerInferError, match=r"-np > 1\) do not run input-sparse"):
+        Scheduler(model, tok, 2)  # pi-server -np 2
 
 
 def test_greedy_allocation_reaches_the_target_per_block(files):
