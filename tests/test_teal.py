@@ -339,3 +339,32 @@ def test_dense_gguf_with_compare_is_one_line(files, tmp_path):
                                       "--compare"])
     assert r.exit_code != 0 and "no TEAL thresholds" in r.output and "pi-sparsify" in r.output, r.output
     assert len(r.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("typ", ["f32", "q4_0"])
+def test_mixed_dense_and_sparse_inputs(files, tmp_path, typ):
+    """Thresholds 0 on some inputs: those matrices stay row-major under their usual names and run the dense
+    kernels; the file runs, its prompt and decode agree, and with every threshold 0 it equals the dense GGUF."""
+    from powerinfer.convert.teal import write_teal
+    from powerinfer.runtime.input_sparse import TealTransformer
+    from powerinfer.runtime.model import Transformer
+
+    dense, teal = files["llama3", typ]
+    thr = torch.tensor(read_teal(open_gguf(teal), 3).thresholds)
+    thr[:, 1:3] = 0  # attn_output and gate/up dense
+    thr[1] = 0  # layer 1 all dense
+    g = open_gguf(write_teal(dense, tmp_path / "m.gguf", thr, S))
+    assert "blk.0.attn_q_t.weight" in g.tensors and "blk.0.attn_output.weight" in g.tensors
+    assert "blk.1.attn_q.weight" in g.tensors and "blk.0.ffn_up.weight" in g.tensors
+    m = TealTransformer(g)
+    assert [p.input_major for _, _, p in m.products()] == [True, False, False, True] + [False] * 4 + \
+        [True, False, False, True]
+    lp = m.forward(PROMPT, 0, all_logits=True)
+    for t in range(len(PROMPT)):
+        assert (m.forward(PROMPT[t:t + 1], t) - lp[t]).abs().max().item() < 1e-3
+    zero = TealTransformer(open_gguf(write_teal(dense, tmp_path / "z.gguf", torch.zeros(3, 4), 0.0)))
+    ref = Transformer(open_gguf(dense))
+    assert torch.allclose(zero.forward(PROMPT, 0, all_logits=True), ref.forward(PROMPT, 0, all_logits=True),
+                          atol=1e-5, rtol=0)
+    for t in range(3):  # decode: the same dense kernels, the same numbers
+        assert torch.allclose(zero.forward(PROMPT[t:t + 1], t), ref.forward(PROMPT[t:t + 1], t), atol=1e-5, rtol=0)

@@ -88,7 +88,7 @@ def calibrate(gguf_path: str | Path, text: str, n_ctx: int = 512, max_tokens: in
     ids = tok.encode(text)[:max_tokens]
     if len(ids) < MIN_TOKENS:
         raise PowerInferError(f"calibration text too short: {len(ids)} tokens, at least {MIN_TOKENS} needed")
-    model = TealTransformer(g, torch.float32, dense=True, n_ctx=min(n_ctx, 10**9))
+    model = TealTransformer(g, torch.float32, dense=True, n_ctx=n_ctx)
     hist = torch.zeros(model.args.n_layer, len(KINDS), N_BINS, dtype=torch.int64)
     for i, kind, p in model.products():
         p.recorder = (lambda h: (lambda x: _add(h, x)))(hist[i, KINDS.index(kind)])

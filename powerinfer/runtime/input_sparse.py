@@ -44,7 +44,7 @@ from . import kernels
 from .args import ModelArgs
 from .kernels import linear
 from .model import Layer, Norm, Transformer, load_head_norm, load_norm, _maybe
-from .weights import _release, load_matrix, tensor_shape
+from .weights import _release, dense_layout, load_matrix, stack_rows, tensor_shape
 
 DENSE_ACTS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh")
 
@@ -132,7 +132,7 @@ def _rows_matmul(x: torch.Tensor, wt) -> torch.Tensor:
     """``x @ wt``: ``[T, K] x [K, N] -> [T, N]`` fp32 (dequantized tiles for a QWeight)."""
     if isinstance(wt, QWeight):
         return kernels.matmul(x, wt)
-    return x @ wt.float() if wt.dtype != torch.float32 else x @ wt
+    return (x.to(wt.dtype) @ wt).float()  # a bf16 W^T computed in bf16 (as the dense kernels do)
 
 
 @dataclass
@@ -203,17 +203,22 @@ def _load_product(g: GGUFFile, i: int, kind: str, thr: float, a: ModelArgs, dtyp
         exp = (shp[1], shp[0]) if sparse else shp
         if tuple(got) != exp:
             raise PowerInferError(f"{g.path}: {tn} has shape {list(got)}, expected {list(exp)}")
-        parts.append(load_matrix(g, tn, dtype, mapped, dense_use=not sparse))
+        parts.append(load_matrix(g, tn, dtype, mapped))
+    stored = [stored_name(n, sparse) for n in names]
     if sparse:
         w = _hcat(parts)
     elif len(parts) > 1 and all(isinstance(p, torch.Tensor) and p.dtype == parts[0].dtype for p in parts):
         w = torch.cat(parts, dim=0)
+    elif len(parts) > 1 and all(isinstance(p, QWeight) for p in parts):
+        w = stack_rows(g, stored, parts)  # one matrix (same type) for one dense kernel call, as model.py does
+        w = dense_layout(g, stored, w) if isinstance(w, QWeight) else [dense_layout(g, [n], p) for n, p in zip(stored, w)]
     else:
-        w = parts[0] if len(parts) == 1 else parts
-    if len(parts) > 1 and not isinstance(w, list):  # joined into a copy: the mapped pages are dropped
-        del parts
-        for name in names:
-            _release(g, g.tensors[stored_name(name, sparse)])
+        w = [dense_layout(g, [n], p) if isinstance(p, QWeight) else p for n, p in zip(stored, parts)]
+        w = w[0] if len(w) == 1 else w
+    if len(parts) > 1 and (sparse or isinstance(w, torch.Tensor)) and not isinstance(w, list):
+        del parts  # joined into a copy: the mapped pages are dropped
+        for name in stored:
+            _release(g, g.tensors[name])
     bias = None
     if kind == "qkv":
         bs = [_maybe(g, f"{n}.bias", dtype) for n in names]
