@@ -167,10 +167,15 @@ def test_pi_sparsify_and_pi_convert(files, tmp_path):
     text.write_text(TEXT)
     dense = files["llama3", "f32"][0]
     act = tmp_path / "act"
+    from powerinfer.formats.activation import save_activation_dir
+
+    save_activation_dir(act, [torch.arange(128) for _ in range(3)])  # a pi-profile folder: its counts are kept
     r = CliRunner().invoke(main, [str(dense), str(tmp_path / "a.gguf"), "--sparsity", "0.4", "--data", str(text),
                                   "--activation", str(act)])
     assert r.exit_code == 0, r.output
-    assert sorted(p.name for p in act.iterdir()) == ["input_hist.json"] + [f"input_hist_{i}.pt" for i in range(3)]
+    assert sorted(p.name for p in act.iterdir()) == sorted(
+        ["input_hist.json"] + [f"input_hist_{i}.pt" for i in range(3)] + [f"activation_{i}.pt" for i in range(3)])
+    assert torch.equal(torch.load(act / "activation_2.pt", weights_only=True), torch.arange(128))
     h = torch.load(act / "input_hist_0.pt", weights_only=True)
     assert h.dtype == torch.int64 and h.shape[0] == 4
     r = CliRunner().invoke(main, [str(dense), str(tmp_path / "b.gguf"), "--sparsity", "0.4", "--activation", str(act)])

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import gguf
@@ -101,9 +102,19 @@ def calibrate(gguf_path: str | Path, text: str, n_ctx: int = 512, max_tokens: in
 
 
 def save_hist(folder: str | Path, hist: torch.Tensor, n_tokens: int, source: str) -> Path:
-    """Write ``hist`` ``[n_layer, 4, N_BINS]`` as ``input_hist_{i}.pt`` + ``input_hist.json`` (atomically)."""
-    owned = r"input_hist_\d+\.pt|input_hist\.json|activation_\d+\.pt|powerinfer_stats\.json|report\.png|\.gitkeep"
+    """Write ``hist`` ``[n_layer, 4, N_BINS]`` as ``input_hist_{i}.pt`` + ``input_hist.json`` (atomically);
+    an activation folder's other files (``pi-profile``'s counts, stats, report) are kept."""
+    import shutil
+
+    from ..formats.activation import OWNED
+
+    owned = r"input_hist_\d+\.pt|input_hist\.json|" + OWNED
+    folder = Path(folder)
     with atomic_dir(folder, owned) as tmp:
+        if folder.is_dir():
+            for p in folder.iterdir():
+                if re.fullmatch(OWNED, p.name):
+                    shutil.copy2(p, tmp / p.name)
         for i in range(hist.shape[0]):
             torch.save(hist[i].clone(), tmp / HIST_FILE.format(i=i))
         (tmp / HIST_META).write_text(json.dumps({"lo": LO, "hi": HI, "n_bins": N_BINS, "n_tokens": n_tokens,
@@ -113,8 +124,6 @@ def save_hist(folder: str | Path, hist: torch.Tensor, n_tokens: int, source: str
 
 def load_hist(folder: str | Path, n_layer: int) -> torch.Tensor:
     """``[n_layer, 4, N_BINS]`` from an activation folder; PowerInferError naming what is wrong."""
-    import re
-
     folder = Path(folder)
     meta = folder / HIST_META
     if not meta.is_file():
