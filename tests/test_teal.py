@@ -188,6 +188,13 @@ def test_pi_sparsify_and_pi_convert(files, tmp_path):
                                           "--sparsity", "0.4", "--data", str(text)])
     assert r.exit_code == 0, r.output
     assert read_teal(open_gguf(tmp_path / "c.gguf"), 3).thresholds == want
+    r = CliRunner().invoke(convert_main, [str(hf), str(act), "--outfile", str(tmp_path / "d.gguf"), "--outtype", "f32",
+                                          "--sparsity", "0.4"])  # MODEL ACT_DIR: the folder's histograms
+    assert r.exit_code == 0, r.output
+    assert read_teal(open_gguf(tmp_path / "d.gguf"), 3).thresholds == want
+    r = CliRunner().invoke(convert_main, [str(hf), "--outfile", str(tmp_path / "e.gguf"), "--sparsity", "0.4"])
+    assert r.exit_code != 0 and "an activation folder (second argument) or --data" in r.output
+    assert not (tmp_path / "e.gguf").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("pi-teal-")] == []  # temp dense file gone
 
 
