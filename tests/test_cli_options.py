@@ -35,6 +35,7 @@ MODULES = {"pi-run": "powerinfer.runtime.cli", "pi-perplexity": "powerinfer.eval
            "pi-convert": "powerinfer.convert.cli", "pi-quantize": "powerinfer.convert.quantize_cli",
            "pi-profile": "powerinfer.profile.cli", "pi-train-predictor": "powerinfer.train_predictor.cli",
            "pi-report": "powerinfer.report.cli", "pi-server": "powerinfer.server.cli",
+           "pi-sparsify": "powerinfer.convert.teal_cli",
            "python -m powerinfer": "powerinfer.__main__"}
 
 
@@ -164,11 +165,14 @@ def test_bad_values_get_one_line_and_exit_1(demo_gguf, prog, args, line):
     ("pi-convert", ["--outtype", "q3_k"], "--outtype q3_k: not one of 'f16', 'bf16', 'f32', 'q4_0', 'q8_0'"),
     ("pi-train-predictor", ["--lr", "inf"], "--lr inf: not a finite number"),
     ("pi-profile", ["--max-tokens", "x"], "--max-tokens x: not a valid integer"),
+    ("pi-sparsify", ["--sparsity", "x"], "--sparsity x: not a valid float"),
+    ("pi-sparsify", ["--method", "wina"], "--method wina: not one of 'uniform', 'greedy'"),
 ])
 def test_offline_stages_bad_values_get_one_line_and_exit_1(tmp_path, prog, args, line):
     base = {"pi-convert": [DEMO_MODEL, "--outfile", tmp_path / "o.gguf"],
             "pi-train-predictor": [DEMO_MODEL, "--data", DEMO_CALIBRATION, "--out", tmp_path / "p"],
-            "pi-profile": [DEMO_MODEL, "--data", DEMO_CALIBRATION, "--out", tmp_path / "a"]}[prog]
+            "pi-profile": [DEMO_MODEL, "--data", DEMO_CALIBRATION, "--out", tmp_path / "a"],
+            "pi-sparsify": [tmp_path / "in.gguf", tmp_path / "s.gguf", "--data", DEMO_CALIBRATION]}[prog]
     _one_line(run_cli(prog, [*base, *args]), line)
     assert list(tmp_path.iterdir()) == []
 

@@ -8,7 +8,7 @@ import click
 
 from ..activation_flag import ffn_activation_option
 from ..cli_params import PiCommand, FiniteFloat, require_folder, require_model_folder, version_option
-from ..errors import cli_errors
+from ..errors import PowerInferError, cli_errors
 from .type_names import DEFAULT_PREDICTOR_TYPE, OUTTYPES, PREDICTOR_TYPES
 
 from ..limits import MAX_BUDGET_GIB, MAX_THRESHOLD
@@ -34,13 +34,29 @@ from ..limits import MAX_BUDGET_GIB, MAX_THRESHOLD
 @click.option("--for-pi-run", "for_pi_run", is_flag=True,
               help="The file is for pi-run only: no warnings about what upstream PowerInfer or llama.cpp would make "
                    "of it (n_ff <= 1000, f32/Q8_0 ffn_down_t, a dense ReLU llama file). Without it those are warned.")
+@click.option("--sparsity", type=float, default=None,
+              help="Write an input-sparse (TEAL) GGUF for this model-wide sparsity (0..0.9) of a SiLU-gated model; "
+                   "the second argument is then the activation folder of its input histograms (or give --data).")
+@click.option("--data", "data", type=click.Path(dir_okay=False), default=None,
+              help="With --sparsity: calibrate on this text in the same run (histograms saved to the activation "
+                   "folder when one is given).")
+@click.option("--method", type=click.Choice(("uniform", "greedy")), default="uniform", show_default=True,
+              help="With --sparsity: every input at S, or TEAL's greedy block-wise allocation (needs --data).")
 @ffn_activation_option
 @version_option("pi-convert")
 @cli_errors
 def main(model_dir, pred_dir, outfile, outtype, predictor_type, sparse_threshold, vram_budget, activation_dir,
-         for_pi_run):
+         for_pi_run, sparsity, data, method):
     """Write MODEL_DIR as a PowerInfer GGUF with the predictors in PRED_DIR, or a dense GGUF without."""
+    if sparsity is not None:
+        from .teal import check_sparsity
+
+        check_sparsity(sparsity)
+    elif data is not None:
+        raise PowerInferError("--data calibrates input sparsity: give --sparsity S with it")
     require_model_folder(model_dir)  # before torch and transformers are imported (seconds)
+    if sparsity is not None:
+        return _convert_teal(model_dir, pred_dir, outfile, outtype.lower(), sparsity, data, method)
     if pred_dir is not None:
         require_folder(pred_dir, "predictor")
     if activation_dir is not None:
@@ -68,6 +84,29 @@ def main(model_dir, pred_dir, outfile, outtype, predictor_type, sparse_threshold
         plan = ensure_gpu_index(out, vram_budget, act_dir, reset=True)
         if plan is not None:
             click.echo(f"wrote {plan.path}: {plan.summary}")
+
+
+def _convert_teal(model_dir: str, act_dir: str | None, outfile: str, outtype: str, sparsity: float,
+                  data: str | None, method: str = "uniform") -> None:
+    """``--sparsity``: MODEL_DIR -> a temporary dense GGUF (``outtype``) -> calibrated (``data``) or read
+    (``act_dir``) histograms -> the TEAL file at ``outfile``; the temporary file is removed."""
+    import tempfile
+
+    from .outfile import check_outfile
+    from .teal import sparsify
+    from .teal_cli import read_text
+    from .writer import convert
+
+    if data is None and act_dir is None:
+        raise PowerInferError("--sparsity needs the input histograms: an activation folder (second argument) "
+                              "or --data TEXT")
+    text = read_text(data) if data is not None else None
+    check_outfile(outfile, [model_dir])
+    with tempfile.TemporaryDirectory(prefix="pi-teal-", dir=Path(outfile).resolve().parent) as tmp:
+        dense = convert(model_dir, Path(tmp) / "dense.gguf", None, outtype, None, upstream_warnings=False)
+        out, _ = sparsify(dense, outfile, sparsity, text, act_dir, None, method=method)
+    click.echo(f"wrote {out} (input-sparse GGUF, target {100 * sparsity:.0f}%, {method}; "
+               f"{out.stat().st_size / 1e6:.2f} MB)")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ if TYPE_CHECKING:  # torch and the runtime are imported when the command runs, s
 
 DEFAULT_CTX = 512  # llama.cpp's default for llama-perplexity, capped by the model's context
 MODES = {"dense": "every FFN neuron", "predictor": "neurons the predictor marks active",
-         "oracle": "exactly the truly active neurons"}
+         "oracle": "exactly the truly active neurons",
+         "teal": "matrix inputs below the file's thresholds zeroed (input-sparse TEAL file)"}
 
 
 @dataclass
@@ -190,11 +191,18 @@ def main(model_path, text_path, ctx_size, n_chunks, n_batch, threads, dtype, den
     from .perplexity import read_text
 
     text = read_text(text_path)  # a bad text fails before the model is loaded
-    sparse_file = open_gguf(model_path).sparse
+    from ..formats.teal import is_teal
+
+    g = open_gguf(model_path)
+    if is_teal(g):  # input-sparse file: dense and sparse runs of the same weights
+        return _teal(Setup(model_path, text, ctx_size or None, n_chunks, n_batch, threads, dtype),
+                     dense, oracle, compare, ram_budget)
+    sparse_file = g.sparse
     if (oracle or compare) and not sparse_file:
         flag = "--oracle" if oracle else "--compare"
-        raise PowerInferError(f"{model_path}: a dense GGUF (no predictors): {flag} needs a PowerInfer GGUF "
-                              "(PWRI, from pi-convert MODEL PRED_DIR); without the flag it is evaluated dense")
+        raise PowerInferError(f"{model_path}: a dense GGUF (no predictors, no TEAL thresholds): {flag} needs a "
+                              "PowerInfer GGUF (PWRI, from pi-convert MODEL PRED_DIR) or an input-sparse GGUF "
+                              "(pi-sparsify); without the flag it is evaluated dense")
     if ram_budget is not None and not sparse_file:  # as pi-run: a budget is not silently ignored
         raise PowerInferError(f"{model_path}: a dense GGUF (no predictors): --ram-budget needs a PowerInfer GGUF "
                               "(PWRI, from pi-convert MODEL PRED_DIR) whose predictors say which FFN rows to read")
@@ -213,6 +221,24 @@ def main(model_path, text_path, ctx_size, n_chunks, n_batch, threads, dtype, den
     results["predictor"], *_ = _evaluate(s, "predictor", chunks, model, tok, header=True)
     model.oracle_masks()
     results["oracle"], *_ = _evaluate(s, "oracle", chunks, model, tok, header=True)
+    sys.stdout.write("\n" + compare_table(results))
+
+
+def _teal(s: Setup, dense: bool, oracle: bool, compare: bool, ram_budget: float | None) -> None:
+    """An input-sparse (TEAL) file: ``teal`` (its thresholds), ``--dense`` (every input, same weights) or
+    ``--compare`` (both on the same tokens; the last column is then the share of ``ffn_down``'s inputs kept)."""
+    if oracle or ram_budget is not None:
+        raise PowerInferError(f"{s.model_path}: an input-sparse (TEAL) file has no predictors: "
+                              f"{'--oracle' if oracle else '--ram-budget'} needs a PowerInfer GGUF")
+    if not compare:
+        res, *_ = _evaluate(s, "dense" if dense else "teal", None)
+        if not dense and res.active_share is not None:
+            sys.stdout.write(f"ffn_down inputs kept: {100 * res.active_share:.1f}% on average\n")
+        return
+    results: dict[str, PerplexityResult] = {}
+    results["dense"], chunks, model, _ = _evaluate(s, "dense", None, header=True)
+    del model
+    results["teal"], *_ = _evaluate(s, "teal", chunks, header=True)
     sys.stdout.write("\n" + compare_table(results))
 
 

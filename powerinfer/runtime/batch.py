@@ -68,6 +68,9 @@ def new_cache(model: Transformer, n_ctx: int) -> KVCache:
 def check_batchable(model: Transformer) -> None:
     """PowerInferError when ``model`` cannot decode several sequences at once (GPU offload, or a RAM
     budget: its FFN rows are not full matrices the batched kernels could read)."""
+    if getattr(model, "teal", None) is not None:
+        raise PowerInferError("several sequences at once (-np > 1) do not run input-sparse (TEAL) files yet: "
+                              "run them with -np 1")
     if model.placement is not None:
         raise PowerInferError("several sequences at once (-np > 1) do not run with GPU offload (--vram-budget) yet")
     if getattr(model, "residency", None) is not None:

@@ -130,15 +130,24 @@ def bench_report(model: "Transformer", st: "GenStats", path: str) -> str:
                      f"median {statistics.median(tps):.1f}, min {tps[0]:.1f}, max {tps[-1]:.1f} tokens/s)")
         lines.append(f"  FFN {100 * st.ffn_share:.1f}% of decode time (predictor {100 * st.predict_share:.1f}%), "
                      f"attention + output + rest {100 * (1 - st.ffn_share):.1f}%")
-        if st.decode_active_share is not None:
+        teal = getattr(model, "teal", None) is not None  # input-sparse: its own lines below
+        if st.decode_active_share is not None and not teal:
             fired = "" if st.decode_fired_share is None else f"; {100 * st.decode_fired_share:.1f}% fired"
             lines.append(f"  FFN neurons computed: {100 * st.decode_active_share:.1f}% of n_ff on average "
                          f"(predicted active{fired})")
-        nb = decode_bytes_per_token(model, st.decode_active_share, st.decode_fired_share)
+        if teal:
+            from .input_sparse import bytes_per_token
+
+            nb = bytes_per_token(model)
+        else:
+            nb = decode_bytes_per_token(model, st.decode_active_share, st.decode_fired_share)
         lines.append(f"  weights read: {format_bytes(nb)} per token -> {nb * st.gen_tps / 1e9:.1f} GB/s effective")
     from .hybrid import placement_lines  # --vram-budget: MB per device, busy share of decode time
 
     lines += placement_lines(model, st.n_eval)
+    from .input_sparse import sparsity_lines  # TEAL files: inputs zeroed per matrix kind
+
+    lines += sparsity_lines(model)
     from .cold_rows import budget_lines  # --ram-budget: resident MB by kind, reads per token, hit rate
 
     lines += budget_lines(model)

@@ -32,6 +32,15 @@ def load_model(path: str, dtype: str = "f32", dense: bool = False, n_ctx: int | 
     (:mod:`.residency`, :mod:`.cold_rows`). ``g``: ``path`` already opened (validated once)."""
     g = g if g is not None else open_gguf(path)
     tok = GGUFTokenizer(g)  # an unsupported vocabulary is refused before any weight is mapped
+    from ..formats.teal import is_teal
+
+    if is_teal(g):  # input-sparse (TEAL) file: its own decoder (runtime/input_sparse.py)
+        if ram_budget is not None:
+            raise PowerInferError(f"{path}: --ram-budget does not run input-sparse (TEAL) files yet: "
+                                  "they read every matrix by input rows, which the budget's FFN does not hold")
+        from .input_sparse import TealTransformer
+
+        return TealTransformer(g, compute_dtype(dtype), dense=dense, n_ctx=n_ctx), tok
     if ram_budget is not None:  # (and the budget's plan measures what the process holds after it)
         if dense:
             raise PowerInferError("--ram-budget and --dense: a dense FFN reads every row every token; "
@@ -92,6 +101,8 @@ def open_for_inference(model_path: str, *, dtype: str = "auto", dense: bool = Fa
         note(f"note: -c {ctx_size} is more than the model's context length; using {model.n_ctx}")
     torch.set_num_threads(threads or default_threads(model))
     if vram_budget is not None and not disable_gpu_index:
+        if getattr(model, "teal", None) is not None:
+            raise PowerInferError(f"{model_path}: --vram-budget does not run input-sparse (TEAL) files yet")
         from .hybrid import offload
 
         summary = offload(model, model_path, vram_budget, activation_dir, reset_gpu_index, g=g)

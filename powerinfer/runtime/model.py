@@ -339,7 +339,7 @@ class Transformer:
             kv = KVCache.nbytes(a.n_layer, 1, a.n_head_kv, a.head_dim, *self.cache_dtypes)
             log.warning("context: %d tokens of the model's %d (KV cache %s); -c %d for the whole context "
                         "(KV cache %s)", self.n_ctx, max_ctx, _size(kv * self.n_ctx), max_ctx, _size(kv * max_ctx))
-        self.layers: list[Layer] = [build_layer(g, i, a, dtype, self.dense, mapped, ffn_builder)
+        self.layers: list[Layer] = [self._load_layer(g, i, a, dtype, self.dense, mapped, ffn_builder)
                                     for i in range(a.n_layer)]
         self.rope = {"normal": apply_rope, "neox": apply_rope_neox, None: None}[fam.rope]
         self.cos, self.sin = rope_tables(self.n_ctx, a.n_rot, a.rope_base, load_rope_factors(g, a), a.rope_freq_scale)
@@ -350,6 +350,18 @@ class Transformer:
         self._rope_on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.before_forward: Callable[[], None] | None = None  # --ram-budget: files checked, pages dropped
         self.resources: list = []  # what close() closes (--ram-budget: the row reader's threads and files)
+
+    def _load_layer(self, g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype, dense: bool, mapped: bool,
+                    ffn_builder: Callable | None) -> Layer:
+        """Layer ``i`` (:func:`build_layer`; a subclass with another file layout overrides it)."""
+        return build_layer(g, i, a, dtype, dense, mapped, ffn_builder)
+
+    def _project(self, i: int, layer: Layer, kind: str, x: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``'s attention product ``kind``: ``qkv`` (``x @ wqkv.T + bqkv``, ``[T, D] -> [T, (Hq + 2Hkv) d]``)
+        or ``o`` (``x @ wo.T + bo``, ``[T, Hq d] -> [T, D]``); a subclass may compute them another way."""
+        if kind == "qkv":
+            return linear(x, layer.wqkv, layer.bqkv)
+        return linear(x, layer.wo, layer.bo)
 
     def close(self) -> None:
         """Close what the model holds open beyond its memory map (the ``--ram-budget`` row reader's
@@ -383,7 +395,7 @@ class Transformer:
     def attention(self, i: int, layer: Layer, x: torch.Tensor, pos: int) -> torch.Tensor:
         a = self.args
         T, hd = x.shape[0], a.head_dim
-        qkv = linear(x, layer.wqkv, layer.bqkv)  # [T, (Hq + 2Hkv) d]
+        qkv = self._project(i, layer, "qkv", x)  # [T, (Hq + 2Hkv) d]
         q, k, v = qkv.split([a.n_head * hd, a.n_head_kv * hd, a.n_head_kv * hd], dim=-1)
         q, k = layer.norm_qk(q.view(T, a.n_head, hd), k.view(T, a.n_head_kv, hd))
         if self.rope is not None:
@@ -396,7 +408,7 @@ class Transformer:
         k0 = max(0, pos + 1 - W) if W else 0  # the earliest key the first query may see
         if T == 1 and x.device.type == "cpu":  # decode: one query against the cache (C kernel)
             o = attend_one(q[0], ck[k0:S], cv[k0:S])  # [Hq, d]
-            return linear(o.reshape(1, a.n_head * hd), layer.wo, layer.bo)
+            return self._project(i, layer, "o", o.reshape(1, a.n_head * hd))
         kk = load(ck[k0:S], q.dtype).transpose(0, 1)  # [Hkv, S - k0, d]; a cache in another type: converted span
         vv = load(cv[k0:S], q.dtype).transpose(0, 1)
         mask = None
@@ -413,7 +425,7 @@ class Transformer:
                                                       enable_gqa=a.n_head != a.n_head_kv)
                        for r in range(0, T, rows)], dim=1) if T > rows else \
             F.scaled_dot_product_attention(qt, kk, vv, attn_mask=mask, enable_gqa=a.n_head != a.n_head_kv)
-        return linear(o.transpose(0, 1).reshape(T, a.n_head * hd), layer.wo, layer.bo)
+        return self._project(i, layer, "o", o.transpose(0, 1).reshape(T, a.n_head * hd))
 
     def _ffn(self, i: int, layer: Layer, h: torch.Tensor, xn: torch.Tensor) -> torch.Tensor:
         """FFN of layer ``i``: ``h`` is the predictor input, ``xn`` the normed FFN input."""
