@@ -211,8 +211,8 @@ def plan(d: Path, depths: list[int], types: list[str], avx2: bool, cross: bool) 
 
 
 def fmt(xs: list[float], digits: int = 2) -> str:
-    if not xs:
-        return "failed"
+    if not xs:  # not measured (-p 0) or every run failed (those rows say so)
+        return "-"
     m = statistics.median(xs)
     return f"{m:.{digits}f}" if len(xs) == 1 else f"{m:.{digits}f} ({min(xs):.{digits}f}-{max(xs):.{digits}f})"
 
