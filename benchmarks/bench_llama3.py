@@ -343,8 +343,9 @@ def main(argv: list[str] | None = None) -> None:
                     if res.error:
                         print(f"  {depth}L t{th} r{rnd + 1} {LABEL[t]:<6} {engine}: FAILED {res.error}", flush=True)
                     else:
+                        pp = f"{res.prompt_tps:7.2f}" if res.prompt_tps else "      -"
                         print(f"  {depth}L t{th} r{rnd + 1} {LABEL[t]:<6} {engine:<24} decode "
-                              f"{res.decode_tps or 0:7.2f} tok/s  prompt {res.prompt_tps or 0:7.2f} tok/s  "
+                              f"{res.decode_tps or 0:7.2f} tok/s  prompt {pp} tok/s  "
                               f"peak RSS {res.peak_rss / 1e9:5.2f} GB  load {res.load_avg:.2f}  "
                               f"({res.wall_s:.0f} s)", flush=True)
                     jpath.write_text(json.dumps({"header": header, "runs": [asdict(r) for r in results]}, indent=1))
