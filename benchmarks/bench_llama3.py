@@ -72,6 +72,7 @@ class Result:
     peak_rss: int | None = None  # bytes
     load_avg: float = 0.0  # 1-minute load average at the run's start
     wall_s: float = 0.0
+    cpu_s: float = 0.0  # user + system seconds of the whole process (loading and warm-up included)
     error: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -83,9 +84,10 @@ def load_avg1() -> float:
         return float("nan")
 
 
-def run_child(cmd: list[str], env: dict, timeout: float) -> tuple[int, str, str, int, float]:
-    """Run ``cmd``; returns (exit status, stdout, stderr, peak RSS bytes, wall seconds).
-    Killed (status -9) after ``timeout`` s. The peak RSS is the child's own (``wait4``)."""
+def run_child(cmd: list[str], env: dict, timeout: float) -> tuple[int, str, str, int, float, float]:
+    """Run ``cmd``; returns (exit status, stdout, stderr, peak RSS bytes, wall seconds, CPU seconds
+    (user + system, all its threads)). Killed (status -9) after ``timeout`` s. The peak RSS and
+    CPU time are the child's own (``wait4``)."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t0 = time.perf_counter()
         p = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, text=True)
@@ -103,7 +105,7 @@ def run_child(cmd: list[str], env: dict, timeout: float) -> tuple[int, str, str,
         wall = time.perf_counter() - t0
         out.seek(0)
         err.seek(0)
-        return p.returncode, out.read(), err.read(), ru.ru_maxrss * 1024, wall
+        return p.returncode, out.read(), err.read(), ru.ru_maxrss * 1024, wall, ru.ru_utime + ru.ru_stime
 
 
 class LlamaBench:
@@ -117,8 +119,8 @@ class LlamaBench:
         cmd = [str(self.binary), "-m", res.file, "-p", str(n_prompt), "-n", str(n_gen), "-t", str(res.threads),
                "-r", "1", "-o", "json"]
         env = {**self.env, "OMP_NUM_THREADS": str(res.threads)}
-        rc, out, err, rss, wall = run_child(cmd, env, timeout)
-        res.peak_rss, res.wall_s = rss, wall
+        rc, out, err, rss, wall, cpu = run_child(cmd, env, timeout)
+        res.peak_rss, res.wall_s, res.cpu_s = rss, wall, cpu
         try:
             rows = json.loads(out)
         except json.JSONDecodeError:
@@ -152,8 +154,8 @@ class PiRun:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", res.file, "--threads", str(res.threads),
                "-p", str(n_prompt), "-n", str(n_gen), "--dtype", self.dtype]
         env = {**self.env, "OMP_NUM_THREADS": str(res.threads)}
-        rc, out, err, rss, wall = run_child(cmd, env, timeout)
-        res.peak_rss, res.wall_s = rss, wall
+        rc, out, err, rss, wall, cpu = run_child(cmd, env, timeout)
+        res.peak_rss, res.wall_s, res.cpu_s = rss, wall, cpu
         lines = out.strip().splitlines()
         try:
             m = json.loads(lines[-1])
@@ -273,6 +275,31 @@ def tables(results: list[Result]) -> str:
     return "\n".join(out) + "\n"
 
 
+def cpu_time_table(runs, engines, n_gen: int, timeout: float) -> str:
+    """Decode tokens per CPU-second at 1 thread, which other processes on the machine barely
+    change (they take wall time, not this process's CPU time): for each engine and file, the CPU
+    seconds of a process generating ``16 + n_gen`` tokens minus one generating 16 (no prompt;
+    loading and warm-up cancel out), ``n_gen`` divided by that."""
+    lines = ["| type | layers | engine, file | decode tok per CPU-s | vs llama.cpp |", "|---|--:|---|--:|--:|"]
+    got: dict = {}
+    for engine, t, depth, f in runs:
+        cpu = []
+        for n in (16, 16 + n_gen):
+            res = Result(engine, t, depth, 1, 0, str(f), f.stat().st_size)
+            engines[engine].run(res, 0, n, timeout)
+            cpu.append(None if res.error else res.cpu_s)
+        tps = n_gen / (cpu[1] - cpu[0]) if None not in cpu and cpu[1] > cpu[0] else None
+        got[(t, depth, engine)] = tps
+        print(f"  cpu-time {depth}L {LABEL[t]:<6} {engine:<24} " + (f"{tps:.2f} tok/CPU-s" if tps else "failed"),
+              flush=True)
+    for (t, depth, engine), tps in got.items():
+        ref = got.get((t, depth, "llama.cpp"))
+        f = next(r[3] for r in runs if r[:3] == (engine, t, depth))
+        lines.append(f"| {LABEL[t]} | {depth} | {engine}, {f.name} | {f'{tps:.2f}' if tps else 'failed'} | "
+                     + (f"{tps / ref:.2f}x |" if tps and ref else "- |"))
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dir", type=Path, nargs="?", help="make_llama3_model.py's output folder")
@@ -291,6 +318,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
                     help="before each run, wait up to this long for other processes to leave the cores")
     ap.add_argument("--json", type=Path, default=None, help="raw results (default DIR/bench-<UTC>.json)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="instead: decode tokens per CPU-second at 1 thread (two runs of 16 and 16 + N tokens "
+                         "per engine and file), robust to other processes on the machine")
     ap.add_argument("--report", type=Path, default=None, help="print the tables of a saved --json file and exit")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -317,6 +347,11 @@ def main(argv: list[str] | None = None) -> None:
         runs = [r for r in runs if r[0] != "pi-run"]
     engines = {"llama.cpp": LlamaBench(a.llama_bench), "pi-run": PiRun(dtype=a.dtype),
                "pi-run, llama.cpp's file": PiRun(dtype=a.dtype), "pi-run avx2": PiRun(avx2=True)}
+    if a.cpu_time:
+        print(f"decode tokens per CPU-second, 1 thread, {a.n_gen} tokens by difference; load average "
+              f"{load_avg1():.2f}", flush=True)
+        print(cpu_time_table(runs, engines, a.n_gen, a.timeout))
+        return
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     jpath = a.json or a.dir / f"bench-{stamp}.json"
     sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -64,7 +64,7 @@ def test_tables_ratios_and_failures():
 
     def r(engine, dec, pp, rnd, err=""):
         return Result(engine, "q4_0", 4, 1, rnd, f"/x/{engine}.gguf", 2_000_000_000, dec, pp,
-                      None if err else 2_500_000_000, 1.5 + rnd, 10.0, err)
+                      None if err else 2_500_000_000, 1.5 + rnd, 10.0, error=err)
 
     runs = [r("llama.cpp", 4.0, 40.0, 1), r("llama.cpp", 6.0, 60.0, 2), r("llama.cpp", 5.0, 50.0, 3),
             r("pi-run", 10.0, 20.0, 1), r("pi-run", 12.0, 30.0, 2), r("pi-run", 0, 0, 3, err="exit 1: boom")]
