@@ -55,6 +55,10 @@ class Shape:
     top10: float = 0.54  # share of activations on the hottest 10% of neurons
     calib_tokens: int = 1024
     seed: int = 0
+    n_head_kv: int = 0  # 0: n_head (no GQA)
+    hidden_act: str = "relu"  # "silu": a SwiGLU model as Llama 3 (dense benchmarks; no predictor design)
+    rope_theta: float = 10000.0
+    rope_scaling: tuple = ()  # HF rope_scaling items, e.g. (("rope_type", "llama3"), ("factor", 8.0), ...)
 
 
 def power_law_probs(n_ff: int, mean: float, top10: float, p_max: float = 0.9) -> tuple[np.ndarray, float]:
@@ -84,8 +88,10 @@ def power_law_probs(n_ff: int, mean: float, top10: float, p_max: float = 0.9) ->
 
 
 def make_hf(out: Path, shape: Shape, tokenizer_dir: Path, log: Callable[[str], None] = print) -> Path:
-    """``out/hf``: the random-weight ReLU Llama (f16 safetensors) with ``tokenizer_dir``'s
-    ``tokenizer.model`` and ``tokenizer_config.json``; reused when it is already there."""
+    """``out/hf``: the random-weight Llama (f16 safetensors; ``shape.hidden_act``, ReLU by default,
+    ``shape.n_head_kv`` KV heads, ``shape.rope_theta``/``rope_scaling``) with ``tokenizer_dir``'s
+    ``tokenizer.model`` and ``tokenizer_config.json``; reused when it is already there. The converter
+    pads the vocabulary with ``[PAD{i}]`` tokens when ``n_vocab`` exceeds the tokenizer's."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     d = out / "hf"
@@ -95,8 +101,10 @@ def make_hf(out: Path, shape: Shape, tokenizer_dir: Path, log: Callable[[str], N
     torch.manual_seed(shape.seed)
     cfg = LlamaConfig(vocab_size=shape.n_vocab, hidden_size=shape.n_embd, intermediate_size=shape.n_ff,
                       num_hidden_layers=shape.n_layer, num_attention_heads=shape.n_head,
-                      num_key_value_heads=shape.n_head, hidden_act="relu", max_position_embeddings=shape.n_ctx,
-                      rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, dtype="float16")
+                      num_key_value_heads=shape.n_head_kv or shape.n_head, hidden_act=shape.hidden_act,
+                      max_position_embeddings=shape.n_ctx, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+                      tie_word_embeddings=False, dtype="float16", rope_theta=shape.rope_theta,
+                      rope_scaling=dict(shape.rope_scaling) or None)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device="cpu").to(torch.float16)
