@@ -1386,29 +1386,6 @@ static void x8k_range(int qt, const uint8_t *W, int64_t K, int64_t N, acts_t a, 
     else x8k_range_t(QT_Q6_K, W, K, N, a, xm, T, y, g0, g1);
 }
 
-/* y [T, N] = x [T, K] @ W.T for an x8 Q4_K/Q5_K/Q6_K matrix W (N a multiple of 8) */
-static int x8k_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x, int64_t T, float *y) {
-    const int64_t nb = K / QK, G = N / 8;
-    int ok;
-    const acts_t acts = prepare(qt, x, T, K, &ok);
-    if (!ok) return PI_ENOMEM;
-    float *xm = malloc((size_t)(T * nb + 1) * sizeof(float));
-    if (!xm) {
-        release(acts);
-        return PI_ENOMEM;
-    }  /* dx * sum(qx) per q8 block (the mins) */
-    for (int64_t i = 0; i < T * nb; i++) xm[i] = acts.d[i] * (float)(acts.s[2 * i] + acts.s[2 * i + 1]);
-    const int par = G * (K / QKK) * 8 * block_bytes(qt) >= PAR_MIN_BYTES && omp_get_max_threads() > 1;
-    #pragma omp parallel if (par)
-    {
-        int64_t g0, g1;
-        split(G, omp_get_num_threads(), omp_get_thread_num(), &g0, &g1);
-        x8k_range(qt, (const uint8_t *)W, K, N, acts, xm, T, y, g0, g1);
-    }
-    free(xm);
-    release(acts);
-    return 0;
-}
 
 /* ------------------------------------------------------------------ 8-row groups of Q5_0 / Q5_1
  * x8 as for the K-quants with the rows' fp16 d (Q5_1: d and m, 4 bytes) first: for group g and
@@ -1509,8 +1486,9 @@ static inline __attribute__((always_inline)) void x8q5_range_t(int qt, const uin
     }
 }
 
-/* y [T, N] = x [T, K] @ W.T for an x8 Q5_0/Q5_1 matrix W (N a multiple of 8) */
-static int x8q5_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x, int64_t T, float *y) {
+/* y [T, N] = x [T, K] @ W.T for an x8 Q4_K/Q5_K/Q6_K or Q5_0/Q5_1 matrix W (N a multiple of 8): the
+ * activation's q8 blocks with their sums, and dx * sum(qx) per q8 block (the K-quants' mins, Q5_1's m) */
+static int x8s_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x, int64_t T, float *y) {
     const int64_t nb = K / QK, G = N / 8;
     int ok;
     const acts_t acts = prepare(qt, x, T, K, &ok);
@@ -1519,14 +1497,15 @@ static int x8q5_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x
     if (!xm) {
         release(acts);
         return PI_ENOMEM;
-    }  /* dx * sum(qx) per q8 block (Q5_1's m) */
+    }
     for (int64_t i = 0; i < T * nb; i++) xm[i] = acts.d[i] * (float)(acts.s[2 * i] + acts.s[2 * i + 1]);
-    const int par = G * nb * 8 * block_bytes(qt) >= PAR_MIN_BYTES && omp_get_max_threads() > 1;
+    const int par = G * (K / block_values(qt)) * 8 * block_bytes(qt) >= PAR_MIN_BYTES && omp_get_max_threads() > 1;
     #pragma omp parallel if (par)
     {
         int64_t g0, g1;
         split(G, omp_get_num_threads(), omp_get_thread_num(), &g0, &g1);
-        if (qt == QT_Q5_0) x8q5_range_t(QT_Q5_0, (const uint8_t *)W, K, N, acts, xm, T, y, g0, g1);
+        if (is_k(qt)) x8k_range(qt, (const uint8_t *)W, K, N, acts, xm, T, y, g0, g1);
+        else if (qt == QT_Q5_0) x8q5_range_t(QT_Q5_0, (const uint8_t *)W, K, N, acts, xm, T, y, g0, g1);
         else x8q5_range_t(QT_Q5_1, (const uint8_t *)W, K, N, acts, xm, T, y, g0, g1);
     }
     free(xm);
@@ -1534,10 +1513,10 @@ static int x8q5_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x
     return 0;
 }
 
-/* y [T, N] = x [T, K] @ W.T for an x8 Q4_0/Q8_0 (Q4_K/Q5_K/Q6_K: x8k_gemm; Q5_0/Q5_1: x8q5_gemm)
+/* y [T, N] = x [T, K] @ W.T for an x8 Q4_0/Q8_0 (Q4_K/Q5_K/Q6_K, Q5_0/Q5_1: x8s_gemm)
  * matrix W (N a multiple of 8). */
 int pi_x8_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x, int64_t T, float *y) {
-    if (is_k(qt) || is_q5(qt)) return (is_k(qt) ? x8k_gemm : x8q5_gemm)(qt, W, N, K, x, T, y);
+    if (is_k(qt) || is_q5(qt)) return x8s_gemm(qt, W, N, K, x, T, y);
     const int64_t nb = K / QK, G = N / 8;
     int ok;
     const acts_t acts = prepare(qt, x, T, K, &ok);
