@@ -57,7 +57,7 @@ def build(out: Path, log) -> dict:
 
     shape = demo_shape()
     stamp = out / STAMP
-    want = {**asdict(shape), "outtype": OUTTYPE}
+    want = json.loads(json.dumps({**asdict(shape), "outtype": OUTTYPE}))  # as the stamp holds it (tuples: lists)
     if stamp.is_file() and (out / SPARSE_NAME).is_file() and (out / DENSE_NAME).is_file():
         try:
             info = json.loads(stamp.read_text())
