@@ -81,3 +81,26 @@ def backend(request):
         pytest.skip(str(e))
     yield request.param
     kernels.set_backend("auto")
+
+
+@pytest.fixture(scope="session")
+def relu_sparse_gguf(tmp_path_factory, relu_hf) -> Path:
+    """stories260K-relu with random predictors (a real sparse mix of rows per token), as an f32 PWRI file."""
+    from helpers import random_predictors
+    from powerinfer.convert.writer import convert
+
+    tmp = tmp_path_factory.mktemp("relu-sparse")
+    cfg = json.loads((relu_hf / "config.json").read_text())
+    random_predictors(tmp / "pred", cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"])
+    return convert(relu_hf, tmp / "m.powerinfer.gguf", tmp / "pred", outtype="f32", progress=False)
+
+
+@pytest.fixture
+def c_kernels():
+    """The C kernels for one test; the backend in effect before is restored after it."""
+    from powerinfer.runtime import kernels
+
+    saved = dict(kernels._state)
+    kernels.set_backend("c")
+    yield
+    kernels._state.update(saved)

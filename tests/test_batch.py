@@ -3,12 +3,11 @@ and greedy tokens it gets alone, whatever joins or leaves the batch; the several
 equal the one-token ones; bad calls are refused."""
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 
-from helpers import alone, batched, entries_batched, random_predictors
+from helpers import alone, batched, entries_batched
 from powerinfer.convert.quantize import quantize_file
 from powerinfer.convert.writer import convert
 from powerinfer.errors import PowerInferError
@@ -24,13 +23,11 @@ N = 20  # tokens generated per sequence
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory, relu_hf):
+def files(tmp_path_factory, relu_hf, relu_sparse_gguf):
     """stories260K-relu with random predictors (a real sparse mix of rows per token): f32, Q4_0
     and Q8_0 (Q8_0 predictors), and the dense f32 file."""
     tmp = tmp_path_factory.mktemp("batch")
-    cfg = json.loads((relu_hf / "config.json").read_text())
-    random_predictors(tmp / "pred", cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"])
-    f32 = convert(relu_hf, tmp / "m.powerinfer.gguf", tmp / "pred", outtype="f32", progress=False)
+    f32 = relu_sparse_gguf
     out = {"f32": f32, "dense": convert(relu_hf, tmp / "m.gguf", None, outtype="f32", progress=False)}
     for t in ("q4_0", "q8_0"):
         out[t] = quantize_file(f32, tmp / f"m-{t}.powerinfer.gguf", t).path

@@ -14,22 +14,17 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import random_predictors
 from powerinfer.convert.quantize import quantize_file
-from powerinfer.convert.writer import convert
 from test_server import Server, _wait_for, long_gguf  # noqa: F401  (a fixture)
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben went to", "One day a bird"]
 
 
 @pytest.fixture(scope="module")
-def q4_gguf(tmp_path_factory, relu_hf):
+def q4_gguf(tmp_path_factory, relu_sparse_gguf):
     """stories260K-relu with random predictors, Q4_0 (the C kernels' batched paths: union rows)."""
     tmp = tmp_path_factory.mktemp("bsrv")
-    cfg = json.loads((relu_hf / "config.json").read_text())
-    random_predictors(tmp / "pred", cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"])
-    f32 = convert(relu_hf, tmp / "m.powerinfer.gguf", tmp / "pred", outtype="f32", progress=False)
-    return quantize_file(f32, tmp / "m-q4_0.powerinfer.gguf", "q4_0").path
+    return quantize_file(relu_sparse_gguf, tmp / "m-q4_0.powerinfer.gguf", "q4_0").path
 
 
 def _metrics(s: Server) -> dict[str, float]:

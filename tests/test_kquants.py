@@ -219,14 +219,6 @@ def q4_1_file(tmp_path_factory, relu_hf):
     return retype(f32, tmp / "m-q4_1.gguf", types), retype(f32, tmp / "m-rt.gguf", types, round_trip=True), names
 
 
-@pytest.fixture
-def c_kernels():
-    saved = dict(kernels._state)
-    kernels.set_backend("c")
-    yield
-    kernels._state.update(saved)
-
-
 def test_type_without_kernel_is_dequantized_with_a_warning_when_it_fits(c_kernels, q4_1_file, caplog):
     from powerinfer.formats.gguf_file import open_gguf
     from powerinfer.runtime.model import Transformer
@@ -349,7 +341,6 @@ def test_llamacpp_k_quant_files_run_in_place_and_give_its_perplexity(c_kernels, 
     its own bytes, and the perplexity equals llama-perplexity's on the same text within 0.5% (measured
     0.16% and 0.32%; quantizing moved it 2.7% and 3.0% from the f32 model's: the engines round the
     activation differently, q8_K / q8_1 blocks with fp16 scales there, q8 blocks of 32 here)."""
-    from collections import Counter
 
     from powerinfer.eval.perplexity import chunk_tokens, perplexity
     from powerinfer.formats.gguf_file import open_gguf

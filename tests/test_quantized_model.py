@@ -13,22 +13,12 @@ from powerinfer.convert.writer import convert
 from powerinfer.errors import PowerInferError
 from powerinfer.formats.gguf_file import open_gguf
 from powerinfer.quant.qweight import QWeight
-from powerinfer.runtime import kernels
 from powerinfer.runtime.model import Transformer
 from powerinfer.runtime.weights import is_mapped
 
 from helpers import all_active_predictors, teacher_forced
 
 IDS = [1, 403, 407, 261, 378, 432, 383, 286, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310, 311]
-
-
-@pytest.fixture
-def c_kernels():
-    """The C kernels for one test; the backend in effect before is restored after it."""
-    saved = dict(kernels._state)
-    kernels.set_backend("c")
-    yield
-    kernels._state.update(saved)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ import openai  # a test dependency (pyproject's test extra): missing, the tests 
 import pytest
 from click.testing import CliRunner
 
-from helpers import random_predictors
 from powerinfer.convert.writer import convert
 from powerinfer.runtime.cli import main as run_main
 
@@ -26,11 +25,8 @@ PROMPT = "Once upon a time"
 
 
 @pytest.fixture(scope="module")
-def sparse_gguf(tmp_path_factory, relu_hf):
-    tmp = tmp_path_factory.mktemp("srv")
-    cfg = json.loads((relu_hf / "config.json").read_text())
-    random_predictors(tmp / "pred", cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"])
-    return convert(relu_hf, tmp / "m.powerinfer.gguf", tmp / "pred", outtype="f32", progress=False)
+def sparse_gguf(relu_sparse_gguf):
+    return relu_sparse_gguf
 
 
 def _free_port() -> int:

@@ -12,7 +12,6 @@ server still answers /health and a greedy completion with the text it gave befor
 from __future__ import annotations
 
 import collections
-import json
 import time
 
 import httpx
@@ -23,8 +22,6 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
-from helpers import random_predictors
-from powerinfer.convert.writer import convert
 from test_server import Server
 
 FUZZ_CASES = 300  # 15-20 s on this 2-core VM; the whole test about 45 s with the model built and the server started
@@ -33,11 +30,8 @@ POSTS = {"/v1/completions", "/completions", "/v1/chat/completions", "/chat/compl
 
 
 @pytest.fixture(scope="module")
-def fuzz_gguf(tmp_path_factory, relu_hf):
-    tmp = tmp_path_factory.mktemp("fuzz")
-    cfg = json.loads((relu_hf / "config.json").read_text())
-    random_predictors(tmp / "pred", cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"])
-    return convert(relu_hf, tmp / "m.powerinfer.gguf", tmp / "pred", outtype="f32", progress=False)
+def fuzz_gguf(relu_sparse_gguf):
+    return relu_sparse_gguf
 
 
 def _greedy(s: Server) -> str:
