@@ -62,8 +62,12 @@ def deepen(src: Path, dst: Path, repeat: int) -> None:
         for i, (name, t) in enumerate(plan):
             w.write_tensor_data(_copy_raw(t))
             _drop_pages(g, t)
-            print(f"\r{dst.name}: {i + 1}/{len(plan)} tensors", end="", file=sys.stderr, flush=True)
-        print(file=sys.stderr)
+            if sys.stderr.isatty():  # a line redrawn on a terminal, one line per 10% in a log
+                print(f"\r{dst.name}: {i + 1}/{len(plan)} tensors", end="", file=sys.stderr, flush=True)
+            elif (i + 1) * 10 // len(plan) != i * 10 // len(plan):
+                print(f"{dst.name}: {i + 1}/{len(plan)} tensors", file=sys.stderr, flush=True)
+        if sys.stderr.isatty():
+            print(file=sys.stderr)
         w.close()
         if g.sparse:
             set_magic(tmp, PWRI_BYTES)
