@@ -3,7 +3,8 @@
 1. ``ppl``: the real stories260K (SiLU, 260K parameters; ``tests/data/stories260K``, f32 GGUF) calibrated
    on the first 200 kB of ``tests/data/text/tinystories_val.txt`` through the runtime, uniform thresholds
    for each sparsity (and, with ``--greedy``, TEAL's greedy allocation from the same histograms; with
-   ``--wina``, WINA's |x_j| * ||W[:, j]|| criterion from the same calibration run), perplexity
+   ``--wina``, WINA's |x_j| * ||W[:, j]|| criterion from the same calibration run; with both, WINA's
+   criterion under the greedy allocation too), perplexity
    on the last 100 kB (disjoint) with ``-c 256``: 0% is the dense file.
 2. ``speed``: a random SiLU Llama of 7B width (n_embd 4096, n_ff 11008, 32 heads; ``--n-layer`` layers,
    512-token vocabulary), Q4_0 by ``pi-convert``, calibrated on TinyStories text; decode tokens/s of the
@@ -65,6 +66,9 @@ def ppl(args) -> None:
         by_method["greedy"] = _files(STORIES, out, LEVELS_PPL, raw[:200_000], method="greedy", hist=_files.hist)
     if args.wina:
         by_method["wina"] = _files(STORIES, out, LEVELS_PPL, raw[:200_000], method="wina", hist=_files.hist)
+    if args.wina and args.greedy:
+        by_method["wina-greedy"] = _files(STORIES, out, LEVELS_PPL, raw[:200_000], method="wina-greedy",
+                                          hist=_files.hist)
     g = open_gguf(STORIES)
     tok = GGUFTokenizer(g)
     ids = tok.encode(raw[-100_000:])
@@ -187,7 +191,8 @@ def main(argv=None) -> None:
     p.add_argument("--ctx", type=int, default=256)
     p.add_argument("--chunks", type=int, default=None)
     p.add_argument("--greedy", action="store_true", help="also TEAL's greedy allocation (same histograms)")
-    p.add_argument("--wina", action="store_true", help="also WINA's weighted criterion (same calibration run)")
+    p.add_argument("--wina", action="store_true",
+                   help="also WINA's weighted criterion (same calibration run; with --greedy also greedy-allocated)")
     s = sub.add_parser("speed")
     s.add_argument("--out", default="out/teal7b")
     s.add_argument("--n-layer", type=int, default=2)

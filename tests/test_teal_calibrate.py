@@ -201,6 +201,28 @@ def test_wina_products_use_the_weighted_mask(wina_file):
         assert abs(n / total - (1 - S)) < 0.01, (key, n / total)
 
 
+def test_wina_greedy_allocation(tmp_path):
+    """WINA's criterion under TEAL's greedy allocation, on stories260K (real weights: the column norms vary):
+    each block's parameter-weighted level is the target, the levels are not uniform and not those |x| gives;
+    ``pi-sparsify --method wina-greedy`` stores them as weighted thresholds with the norms."""
+    from powerinfer.convert.teal import calibrate_inputs, column_norms, greedy_levels, level_thresholds
+
+    cal = calibrate_inputs(STORIES_GGUF, CAL)
+    norms = column_norms(open_gguf(STORIES_GGUF), 5)
+    lv = greedy_levels(STORIES_GGUF, cal.wina, CAL, S, colnorms=norms)
+    D, F_, hd = 64, 172, 8  # 8 heads / 4 kv heads of 8
+    params = torch.tensor([(8 + 2 * 4) * hd * D, D * 8 * hd, 2 * F_ * D, F_ * D], dtype=torch.float64)
+    assert torch.allclose(lv.double() @ (params / params.sum()), torch.full((5,), S, dtype=torch.float64), atol=1e-6)
+    assert (lv.max(1).values - lv.min(1).values > 0.05).all()
+    assert (lv - greedy_levels(STORIES_GGUF, cal.hist, CAL, S)).abs().max() > 0.05
+    (tmp_path / "t.txt").write_text(CAL)
+    _ok(sparsify_main, [STORIES_GGUF, tmp_path / "g.gguf", "--sparsity", S, "--data", tmp_path / "t.txt",
+                        "--method", "wina-greedy"])
+    info = read_teal(open_gguf(tmp_path / "g.gguf"), 5)
+    assert info.method == "wina-greedy" and info.colnorm(2, "down").shape == (F_,)
+    assert torch.allclose(torch.tensor(info.thresholds), level_thresholds(cal.wina, lv))
+
+
 def test_wina_contract_refusals(wina_file, tmp_path):
     """A WINA file without a column norm, with a norm of the wrong length or a negative one, and a uniform
     file carrying one: PowerInferError naming the file and the tensor."""

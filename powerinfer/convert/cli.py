@@ -40,9 +40,10 @@ from ..limits import MAX_BUDGET_GIB, MAX_THRESHOLD
 @click.option("--data", "data", type=click.Path(dir_okay=False), default=None,
               help="With --sparsity: calibrate on this text in the same run (histograms saved to the activation "
                    "folder when one is given).")
-@click.option("--method", type=click.Choice(("uniform", "greedy", "wina")), default="uniform", show_default=True,
+@click.option("--method", type=click.Choice(("uniform", "greedy", "wina", "wina-greedy")), default="uniform",
+              show_default=True,
               help="With --sparsity: every input at S by |x|, TEAL's greedy block-wise allocation (needs --data), or "
-                   "every input at S by WINA's |x_j| * ||W[:, j]||.")
+                   "every input at S by WINA's |x_j| * ||W[:, j]||, or wina-greedy: both (needs --data).")
 @ffn_activation_option
 @version_option("pi-convert")
 @cli_errors

@@ -19,7 +19,9 @@ Allocation (``method``):
   the dense block) least, until the block's sparsity reaches ``S``;
 * ``wina``: every input at ``S``, ranked by ``|x_j| * c_j`` with ``c_j`` the norm of column ``j`` of the
   matrix consuming it (WINA, arXiv 2505.19427): the thresholds come from the weighted histograms and
-  the norms are stored in the file (:data:`~powerinfer.formats.teal.COLNORM`).
+  the norms are stored in the file (:data:`~powerinfer.formats.teal.COLNORM`);
+* ``wina-greedy``: WINA's criterion with TEAL's greedy allocation (the masks of the search rank by
+  ``|x_j| * c_j``), as WINA's own release allocates its levels.
 
 Writing streams the input GGUF (every tensor and key kept, in order; the TEAL keys added; each
 sparsified matrix dequantized, transposed and re-encoded along its outputs in its own type, or
@@ -155,9 +157,10 @@ def uniform_thresholds(hist: torch.Tensor, s: float) -> torch.Tensor:
 
 
 def greedy_levels(gguf_path: str | Path, hist: torch.Tensor, text: str, s: float, step: float = GREEDY_STEP,
-                  n_tokens: int = GREEDY_TOKENS) -> torch.Tensor:
+                  n_tokens: int = GREEDY_TOKENS, colnorms: list[list[torch.Tensor]] | None = None) -> torch.Tensor:
     """Per-input sparsity levels float32 ``[n_layer, 4]`` by TEAL's greedy block-wise allocation (module
-    docstring) for target ``s``, from histograms ``hist`` and the first ``n_tokens`` tokens of ``text``."""
+    docstring) for target ``s``, from histograms ``hist`` and the first ``n_tokens`` tokens of ``text``; with
+    ``colnorms`` (:func:`column_norms`), ``hist`` is WINA's and the masks rank inputs by ``|x_j| * c_j``."""
     from ..runtime.input_sparse import TealTransformer
     from ..runtime.tokenizer import GGUFTokenizer
 
@@ -179,6 +182,8 @@ def greedy_levels(gguf_path: str | Path, hist: torch.Tensor, text: str, s: float
             model.forward(torch.tensor(ids, dtype=torch.long), 0)
             for i, layer in enumerate(model.layers):
                 prods = [model.teal_layers[i].products[k] for k in KINDS]
+                for k, p in enumerate(prods):
+                    p.colnorm = None if colnorms is None else colnorms[i][k]
                 x = inputs[i]
 
                 def err(lv) -> float:
@@ -207,7 +212,7 @@ def greedy_levels(gguf_path: str | Path, hist: torch.Tensor, text: str, s: float
                     if over > 0:
                         lv[best[1]] -= over / float(wgt[best[1]])
                 for p in prods:
-                    p.mask_threshold = 0.0
+                    p.mask_threshold, p.colnorm = 0.0, None
     finally:
         del model.block
     return levels.float()
@@ -329,15 +334,17 @@ def plan_thresholds(src: str | Path, method: str, cal: Calibration, sparsity: fl
                     text: str | None = None) -> tuple[torch.Tensor, list[list[torch.Tensor]] | None]:
     """Thresholds float32 ``[n_layer, 4]`` for ``sparsity`` by ``method`` from ``cal`` (``greedy`` also runs
     ``text``), and the column norms a weighted method stores (None otherwise)."""
-    if method == "greedy":
-        if text is None:
-            raise PowerInferError("--method greedy measures block errors on the calibration text: give --data TEXT")
-        return level_thresholds(cal.hist, greedy_levels(src, cal.hist, text, sparsity)), None
+    if method.endswith("greedy") and text is None:
+        raise PowerInferError(f"--method {method} measures block errors on the calibration text: give --data TEXT")
+    norms = None
     if method in WEIGHTED:
         if cal.wina is None:
             raise PowerInferError(f"--method {method}: the calibration has no weighted histograms")
-        return uniform_thresholds(cal.wina, sparsity), column_norms(open_gguf(src), cal.wina.shape[0])
-    return uniform_thresholds(cal.hist, sparsity), None
+        norms = column_norms(open_gguf(src), cal.wina.shape[0])
+    hist = cal.hist if norms is None else cal.wina
+    if method.endswith("greedy"):
+        return level_thresholds(hist, greedy_levels(src, hist, text, sparsity, colnorms=norms)), norms
+    return uniform_thresholds(hist, sparsity), norms
 
 
 def sparsify(src: str | Path, dst: str | Path, sparsity: float, text: str | None = None,
@@ -348,8 +355,8 @@ def sparsify(src: str | Path, dst: str | Path, sparsity: float, text: str | None
     ``text``) and write ``dst``; returns it and the thresholds."""
     sparsity = check_sparsity(sparsity)
     check_method(method)
-    if method == "greedy" and text is None:
-        raise PowerInferError("--method greedy measures block errors on the calibration text: give --data TEXT")
+    if method.endswith("greedy") and text is None:
+        raise PowerInferError(f"--method {method} measures block errors on the calibration text: give --data TEXT")
     from ..runtime.args import ModelArgs
     from ..runtime.input_sparse import check_family
 

@@ -12,7 +12,8 @@ Contract (this project's; no upstream reader knows these keys):
   ``[0, MAX_SPARSITY]`` (the share of input entries zeroed, weighted by parameters);
 * ``powerinfer.teal.method`` (STRING): how the per-matrix levels were chosen (``uniform``:
   every input at the target; ``greedy``: TEAL's block-wise allocation; ``wina``: every input at
-  the target, ranked by WINA's weighted magnitude, below);
+  the target, ranked by WINA's weighted magnitude, below; ``wina-greedy``: that ranking with the
+  block-wise allocation);
 * per layer ``i``, ``blk.{i}.teal_thresholds`` (F32 ``[4]``): thresholds on ``|x|`` for the
   input of q/k/v (the normed attention input), of ``attn_output`` (the attention heads'
   output), of ``ffn_gate``/``ffn_up`` (the normed FFN input) and of ``ffn_down`` (the gated
@@ -23,7 +24,7 @@ Contract (this project's; no upstream reader knows these keys):
   PowerInfer stores ``ffn_down_t``), and *not* under its usual name; a matrix whose threshold
   is 0 stays row-major under its usual name. Biases (Qwen2's q/k/v) keep their names.
   ``output.weight`` and ``token_embd.weight`` stay as they are (dense);
-* method ``wina`` only (WINA, arXiv 2505.19427): per layer ``i`` and sparsified input ``kind``,
+* methods ``wina`` and ``wina-greedy`` only (WINA, arXiv 2505.19427): per layer ``i`` and sparsified input ``kind``,
   ``blk.{i}.teal_colnorm_{kind}`` (F32 ``[K]``, K the input's length): ``c_j = ||W[:, j]||_2``, the
   norm of column ``j`` of the matrix consuming the input (q/k/v and gate/up: over the outputs of the
   matrices joined), from the dense source's weights. The threshold then applies to the weighted
@@ -55,8 +56,8 @@ COLNORM = "blk.{i}.teal_colnorm_{kind}"
 KINDS = ("qkv", "o", "gate_up", "down")  # the four inputs of a block, in threshold order
 MATRICES = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
             "down": ("ffn_down",)}
-METHODS = ("uniform", "greedy", "wina")
-WEIGHTED = ("wina",)  # methods whose thresholds apply to |x_j| * c_j (COLNORM tensors in the file)
+METHODS = ("uniform", "greedy", "wina", "wina-greedy")
+WEIGHTED = ("wina", "wina-greedy")  # methods whose thresholds apply to |x_j| * c_j (COLNORM tensors in the file)
 MAX_SPARSITY = 0.9
 MAX_THRESHOLD = 1e6  # |x| of a normed activation; anything larger is a corrupt file
 
@@ -136,22 +137,22 @@ def read_teal(g: GGUFFile, n_layer: int) -> TealInfo | None:
                     raise PowerInferError(f"{g.path}: {want} is missing")
                 if thr > 0 and len(_shape(g, want)) != 2:
                     raise PowerInferError(f"{g.path}: {want} is not a matrix")
-        norms.append(tuple(_colnorm(g, i, kind, thr > 0, m in WEIGHTED) for kind, thr in zip(KINDS, v)))
+        norms.append(tuple(_colnorm(g, i, kind, thr > 0, m) for kind, thr in zip(KINDS, v)))
     return TealInfo(float(s), str(m), tuple(rows), tuple(norms) if m in WEIGHTED else None)
 
 
-def _colnorm(g: GGUFFile, i: int, kind: str, sparse: bool, weighted: bool) -> np.ndarray | None:
+def _colnorm(g: GGUFFile, i: int, kind: str, sparse: bool, m: str) -> np.ndarray | None:
     """The checked ``blk.{i}.teal_colnorm_{kind}`` (float32 ``[K]``) of a sparse input of a weighted method;
     None otherwise (the tensor must then be absent)."""
     name = COLNORM.format(i=i, kind=kind)
     t = g.tensors.get(name)
-    if not (sparse and weighted):
+    if not (sparse and m in WEIGHTED):
         if t is not None:
             raise PowerInferError(f"{g.path}: {name} present, but only a sparse input of method "
                                   f"{' or '.join(WEIGHTED)} has column norms")
         return None
     if t is None:
-        raise PowerInferError(f"{g.path}: {name} is missing (a {WEIGHTED[0]} file has one per sparse input)")
+        raise PowerInferError(f"{g.path}: {name} is missing (a {m} file has one per sparse input)")
     k = _shape(g, stored_name(f"blk.{i}.{MATRICES[kind][0]}", True))[0]
     if t.tensor_type.name != "F32" or _shape(g, name) != (k,):
         raise PowerInferError(f"{g.path}: {name} is {t.tensor_type.name} {list(_shape(g, name))}, expected F32 [{k}]")

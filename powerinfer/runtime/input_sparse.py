@@ -113,7 +113,7 @@ class InputSparseLinear:
             self.recorder(x)
         T = x.shape[0]
         if self.mask_threshold > 0:
-            x = x * (x.abs() >= self.mask_threshold)
+            x = x * self.keep(x, self.mask_threshold)
         if not self.input_major:
             self.n_in += x.numel()
             self.n_kept += x.numel()
