@@ -42,7 +42,7 @@ dense file (None).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -71,7 +71,7 @@ class TealInfo:
     sparsity: float
     method: str
     thresholds: tuple[tuple[float, float, float, float], ...]
-    colnorms: tuple[tuple, ...] | None = None
+    colnorms: tuple[tuple, ...] | None = field(default=None, compare=False)  # numpy arrays: not compared
 
     def sparse(self, i: int, kind: str) -> bool:
         return self.thresholds[i][KINDS.index(kind)] > 0

@@ -6,7 +6,8 @@ a threshold for any sparsity is read (:mod:`powerinfer.formats.input_hist`, the 
 ``input_hist_{i}.pt``, ``wina_hist_{i}.pt``, ``input_hist.json``). Two sources give the same histograms on
 the same model and text:
 
-* a Hugging Face folder: transformers' own model (f32, CPU), a forward pre-hook on ``q_proj``,
+* a Hugging Face folder: transformers' own model (f32, CPU, loaded whole: 4 bytes a parameter, unlike the
+  layer-streamed neuron profile), a forward pre-hook on ``q_proj``,
   ``o_proj``, ``gate_proj`` and ``down_proj`` of every decoder layer (:func:`hf_calibrate`);
 * a GGUF file (a user's llama.cpp file, no Hugging Face copy): this project's runtime, every product
   dense (:func:`powerinfer.convert.teal.calibrate_inputs`).
