@@ -2,7 +2,9 @@
 
 1. ``ppl``: the real stories260K (SiLU, 260K parameters; ``tests/data/stories260K``, f32 GGUF) calibrated
    on the first 200 kB of ``tests/data/text/tinystories_val.txt`` through the runtime, uniform thresholds
-   for each sparsity (and, with ``--greedy``, TEAL's greedy allocation from the same histograms), perplexity
+   for each sparsity (and, with ``--greedy``, TEAL's greedy allocation from the same histograms; with
+   ``--wina``, WINA's |x_j| * ||W[:, j]|| criterion from the same calibration run; with both, WINA's
+   criterion under the greedy allocation too), perplexity
    on the last 100 kB (disjoint) with ``-c 256``: 0% is the dense file.
 2. ``speed``: a random SiLU Llama of 7B width (n_embd 4096, n_ff 11008, 32 heads; ``--n-layer`` layers,
    512-token vocabulary), Q4_0 by ``pi-convert``, calibrated on TinyStories text; decode tokens/s of the
@@ -10,7 +12,7 @@
    AXPY: the cost of the input-major layout), in interleaved rounds (the order rotates), median of
    rounds, with the load average (the machine may be shared: compare the ratios).
 
-    python benchmarks/bench_teal.py ppl --greedy
+    python benchmarks/bench_teal.py ppl --greedy --wina
     python benchmarks/bench_teal.py speed --out out/teal7b --threads 1 --rounds 3 [--type f16]
 """
 from __future__ import annotations
@@ -33,20 +35,18 @@ LEVELS_PPL = (0.0, 0.25, 0.40, 0.50)
 
 def _files(dense: Path, out: Path, levels, text: str, n_ctx: int = 256, method: str = "uniform",
            hist=None) -> dict[float, Path]:
-    """The dense file and one TEAL file per level > 0 (calibrated once; ``hist`` reused when given)."""
-    from powerinfer.convert.teal import (calibrate, greedy_levels, level_thresholds, uniform_thresholds,
-                                         write_teal)
+    """The dense file and one TEAL file per level > 0 (calibrated once; ``hist``, a Calibration, reused when given)."""
+    from powerinfer.convert.teal import calibrate_inputs, plan_thresholds, write_teal
 
     if hist is None:
         t0 = time.perf_counter()
-        hist, n = calibrate(dense, text, n_ctx=n_ctx)
-        print(f"calibrated on {n} tokens in {time.perf_counter() - t0:.1f} s", flush=True)
+        hist = calibrate_inputs(dense, text, n_ctx=n_ctx)
+        print(f"calibrated on {hist.n_tokens} tokens in {time.perf_counter() - t0:.1f} s", flush=True)
     files = {0.0: dense}
     for s in levels:
         if s > 0:
-            thr = uniform_thresholds(hist, s) if method == "uniform" else \
-                level_thresholds(hist, greedy_levels(dense, hist, text, s))
-            files[s] = write_teal(dense, out / f"teal-{method}-{int(100 * s)}.gguf", thr, s, method)
+            thr, norms = plan_thresholds(dense, method, hist, s, text)
+            files[s] = write_teal(dense, out / f"teal-{method}-{int(100 * s)}.gguf", thr, s, method, colnorms=norms)
     _files.hist = hist
     return files
 
@@ -64,6 +64,11 @@ def ppl(args) -> None:
     by_method = {"uniform": _files(STORIES, out, LEVELS_PPL, raw[:200_000])}
     if args.greedy:
         by_method["greedy"] = _files(STORIES, out, LEVELS_PPL, raw[:200_000], method="greedy", hist=_files.hist)
+    if args.wina:
+        by_method["wina"] = _files(STORIES, out, LEVELS_PPL, raw[:200_000], method="wina", hist=_files.hist)
+    if args.wina and args.greedy:
+        by_method["wina-greedy"] = _files(STORIES, out, LEVELS_PPL, raw[:200_000], method="wina-greedy",
+                                          hist=_files.hist)
     g = open_gguf(STORIES)
     tok = GGUFTokenizer(g)
     ids = tok.encode(raw[-100_000:])
@@ -186,6 +191,8 @@ def main(argv=None) -> None:
     p.add_argument("--ctx", type=int, default=256)
     p.add_argument("--chunks", type=int, default=None)
     p.add_argument("--greedy", action="store_true", help="also TEAL's greedy allocation (same histograms)")
+    p.add_argument("--wina", action="store_true",
+                   help="also WINA's weighted criterion (same calibration run; with --greedy also greedy-allocated)")
     s = sub.add_parser("speed")
     s.add_argument("--out", default="out/teal7b")
     s.add_argument("--n-layer", type=int, default=2)

@@ -166,7 +166,7 @@ def test_bad_values_get_one_line_and_exit_1(demo_gguf, prog, args, line):
     ("pi-train-predictor", ["--lr", "inf"], "--lr inf: not a finite number"),
     ("pi-profile", ["--max-tokens", "x"], "--max-tokens x: not a valid integer"),
     ("pi-sparsify", ["--sparsity", "x"], "--sparsity x: not a valid float"),
-    ("pi-sparsify", ["--method", "wina"], "--method wina: not one of 'uniform', 'greedy'"),
+    ("pi-sparsify", ["--method", "cats"], "--method cats: not one of 'uniform', 'greedy', 'wina'"),
 ])
 def test_offline_stages_bad_values_get_one_line_and_exit_1(tmp_path, prog, args, line):
     base = {"pi-convert": [DEMO_MODEL, "--outfile", tmp_path / "o.gguf"],

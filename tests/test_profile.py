@@ -167,13 +167,24 @@ def test_layer_10_file_holds_layer_10_counts(tmp_path, text_file):
         assert torch.equal(files[i], want[i]), f"activation_{i}.pt does not hold layer {i}"
 
 
-def test_cli_refuses_dense_silu_model(tmp_path, text_file):
+def test_cli_dense_silu_model_gets_input_histograms(tmp_path, text_file):
+    """A SiLU model has no neurons to count: pi-profile writes the input histograms (tests/test_teal_calibrate.py
+    checks their values) and no activation counts."""
     model_dir = make_tiny_llama(tmp_path / "silu", n_layer=1, hidden_act="silu")
     out = tmp_path / "act"
     r = CliRunner().invoke(profile_main, [str(model_dir), "--data", str(text_file), "--out", str(out)])
-    assert r.exit_code == 1
-    assert "'silu'" in r.output and "config.json" in r.output and "ReLU" in r.output
-    assert not out.exists()
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in out.iterdir()) == ["input_hist.json", "input_hist_0.pt", "wina_hist_0.pt"]
+
+
+def test_cli_refuses_a_relu_gguf(tmp_path, text_file, tiny_relu):
+    """A GGUF is profiled through the runtime for input sparsity only: a ReLU one is refused in one line."""
+    from powerinfer.convert.writer import convert
+
+    f = convert(tiny_relu, tmp_path / "relu.gguf", outtype="f32", progress=False)
+    r = CliRunner().invoke(profile_main, [str(f), "--data", str(text_file), "--out", str(tmp_path / "act")])
+    assert r.exit_code == 1 and "SiLU/GELU-gated" in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    assert not (tmp_path / "act").exists()
 
 
 def test_cli_missing_model_dir(tmp_path, text_file):

@@ -174,7 +174,8 @@ def test_pi_sparsify_and_pi_convert(files, tmp_path):
                                   "--activation", str(act)])
     assert r.exit_code == 0, r.output
     assert sorted(p.name for p in act.iterdir()) == sorted(
-        ["input_hist.json"] + [f"input_hist_{i}.pt" for i in range(3)] + [f"activation_{i}.pt" for i in range(3)])
+        ["input_hist.json"] + [f"{k}_hist_{i}.pt" for k in ("input", "wina") for i in range(3)]
+        + [f"activation_{i}.pt" for i in range(3)])
     assert torch.equal(torch.load(act / "activation_2.pt", weights_only=True), torch.arange(128))
     h = torch.load(act / "input_hist_0.pt", weights_only=True)
     assert h.dtype == torch.int64 and h.shape[0] == 4

@@ -40,8 +40,10 @@ from ..limits import MAX_BUDGET_GIB, MAX_THRESHOLD
 @click.option("--data", "data", type=click.Path(dir_okay=False), default=None,
               help="With --sparsity: calibrate on this text in the same run (histograms saved to the activation "
                    "folder when one is given).")
-@click.option("--method", type=click.Choice(("uniform", "greedy")), default="uniform", show_default=True,
-              help="With --sparsity: every input at S, or TEAL's greedy block-wise allocation (needs --data).")
+@click.option("--method", type=click.Choice(("uniform", "greedy", "wina", "wina-greedy")), default="uniform",
+              show_default=True,
+              help="With --sparsity: every input at S by |x|, TEAL's greedy block-wise allocation (needs --data), or "
+                   "every input at S by WINA's |x_j| * ||W[:, j]||, or wina-greedy: both (needs --data).")
 @ffn_activation_option
 @version_option("pi-convert")
 @cli_errors
@@ -100,7 +102,12 @@ def _convert_teal(model_dir: str, act_dir: str | None, outfile: str, outtype: st
     if data is None and act_dir is None:
         raise PowerInferError("--sparsity needs the input histograms: an activation folder (second argument) "
                               "or --data TEXT")
-    text = read_text(data) if data is not None else None
+    from ..profile.inputs import check_hf_family, check_hf_text
+
+    check_hf_family(Path(model_dir))  # a model input sparsity cannot run, or too short a text: refused before
+    text = read_text(data) if data is not None else None  # converting
+    if text is not None:
+        check_hf_text(model_dir, text)
     check_outfile(outfile, [model_dir])
     with tempfile.TemporaryDirectory(prefix="pi-teal-", dir=Path(outfile).resolve().parent) as tmp:
         dense = convert(model_dir, Path(tmp) / "dense.gguf", None, outtype, None, upstream_warnings=False)

@@ -2,15 +2,11 @@
 
 Calibration runs this project's own decoder (:class:`~powerinfer.runtime.input_sparse.TealTransformer`
 on the dense file, every product dense) over a text and records, per layer and per input kind
-(:data:`~powerinfer.formats.teal.KINDS`), the histogram of ``|x|`` over every token and entry, in
-:data:`N_BINS` log-spaced bins from :data:`LO` to :data:`HI` (the first bin also takes smaller values
-and zeros, the last larger ones): bin ratio ``(HI/LO)^(1/N_BINS)`` ~ 1.0068, so a threshold for any
-sparsity is read off to within 0.7% of its value (TEAL, arXiv 2408.14690, sets its thresholds the
-same way from calibration distributions). A GGUF needs no Hugging Face copy.
-
-Activation folder (this project's contract, beside the ``activation_{i}.pt`` counts): per layer
-``input_hist_{i}.pt`` (int64 ``[4, N_BINS]``, :data:`KINDS` rows; ``torch.load(weights_only=True)``)
-and ``input_hist.json`` (``lo``, ``hi``, ``n_bins``, ``n_tokens``, ``source``).
+(:data:`~powerinfer.formats.teal.KINDS`), the histograms of ``|x|`` and of WINA's ``|x_j| * ||W[:, j]||``
+over every token and entry (:mod:`powerinfer.formats.input_hist`: log-spaced bins, a threshold for any
+sparsity to within 0.7%; TEAL, arXiv 2408.14690, sets its thresholds the same way). A GGUF needs no
+Hugging Face copy; ``pi-profile`` records the same histograms from a Hugging Face folder
+(:mod:`powerinfer.profile.inputs`).
 
 Allocation (``method``):
 
@@ -20,17 +16,21 @@ Allocation (``method``):
   dense; each step considers raising one input's sparsity by as much as raises the block's
   parameter-weighted sparsity (q/k/v, attn_output, gate+up, down weighted by their parameters) by
   :data:`GREEDY_STEP`, and takes the raise that grows the squared error of the block output (against
-  the dense block) least, until the block's sparsity reaches ``S``.
+  the dense block) least, until the block's sparsity reaches ``S``;
+* ``wina``: every input at ``S``, ranked by ``|x_j| * c_j`` with ``c_j`` the norm of column ``j`` of the
+  matrix consuming it (WINA, arXiv 2505.19427): the thresholds come from the weighted histograms and
+  the norms are stored in the file (:data:`~powerinfer.formats.teal.COLNORM`);
+* ``wina-greedy``: WINA's criterion with TEAL's greedy allocation (the masks of the search rank by
+  ``|x_j| * c_j``), as WINA's own release allocates its levels.
 
 Writing streams the input GGUF (every tensor and key kept, in order; the TEAL keys added; each
 sparsified matrix dequantized, transposed and re-encoded along its outputs in its own type, or
-``outtype``), through a temporary file renamed when complete.
+``outtype``: K-quant and Q5 sources need one), through a temporary file renamed when complete.
 """
 from __future__ import annotations
 
-import json
 import math
-import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -38,23 +38,24 @@ import numpy as np
 import torch
 
 from ..errors import PowerInferError
-from ..formats._atomic import atomic_dir, atomic_path
-from ..formats.activation import layer_files
+from ..formats._atomic import atomic_path
 from ..formats.gguf_file import GGUFFile, open_gguf
-from ..formats.teal import KINDS, MATRICES, MAX_SPARSITY, METHOD_KEY, SPARSITY_KEY, THRESHOLDS, is_teal
+from ..formats.input_hist import add_values, load_hist, new_hist, save_hist, threshold_for
+from ..formats.teal import (COLNORM, KINDS, MATRICES, MAX_SPARSITY, METHOD_KEY, METHODS, SPARSITY_KEY, THRESHOLDS,
+                            WEIGHTED, is_teal, stored_name)
 from .outfile import check_outfile
 from .quantize import _copy_metadata, _copy_raw, _drop_pages, _torch_shape
 from .tensor_types import encode
 
-LO, HI, N_BINS = 1e-6, 1e3, 3072
 GREEDY_TOKENS = 256  # calibration tokens the greedy allocation measures block errors on
 GREEDY_STEP = 0.025  # block-level sparsity added per greedy step
 MIN_TOKENS = 256  # calibration tokens needed (each input then has >= 256 * n_embd samples)
-HIST_FILE = "input_hist_{i}.pt"
-HIST_META = "input_hist.json"
 _WRITABLE = {"F32", "F16", "BF16", "Q4_0", "Q8_0"}
 OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 QT = gguf.GGMLQuantizationType
+__all__ = ["Calibration", "calibrate", "calibrate_inputs", "check_sparsity", "check_tokens", "column_norms",
+           "greedy_levels", "level_thresholds", "load_hist", "plan_thresholds", "save_hist", "sparsify",
+           "threshold_for", "uniform_thresholds", "write_teal"]
 
 
 def check_sparsity(s: float) -> float:
@@ -64,97 +65,88 @@ def check_sparsity(s: float) -> float:
     return float(s)
 
 
-def _log_edges() -> torch.Tensor:
-    """The ``N_BINS + 1`` bin edges (float64) of |x|."""
-    return torch.logspace(math.log10(LO), math.log10(HI), N_BINS + 1, dtype=torch.float64)
+def check_tokens(n: int) -> None:
+    """PowerInferError unless ``n`` calibration tokens are at least :data:`MIN_TOKENS`."""
+    if n < MIN_TOKENS:
+        raise PowerInferError(f"calibration text too short: {n} tokens, at least {MIN_TOKENS} needed")
 
 
-def _add(hist: torch.Tensor, x: torch.Tensor) -> None:
-    v = torch.log10(x.detach().float().abs().clamp_min(LO)).clamp_max(math.log10(HI) - 1e-9).view(-1)
-    b = ((v - math.log10(LO)) / (math.log10(HI) - math.log10(LO)) * N_BINS).long().clamp_(0, N_BINS - 1)
-    hist += torch.bincount(b, minlength=N_BINS)
+def check_method(method: str) -> str:
+    if method not in METHODS:
+        raise PowerInferError(f"--method {method!r}: expected one of {', '.join(METHODS)}")
+    return method
 
 
-def calibrate(gguf_path: str | Path, text: str, n_ctx: int = 512, max_tokens: int = 16384) -> tuple[torch.Tensor, int]:
-    """Histograms int64 ``[n_layer, 4, N_BINS]`` of ``|x|`` of every input over ``text`` (at most
-    ``max_tokens`` tokens, run in chunks of ``n_ctx``), and the token count. Raises
-    PowerInferError for a text shorter than :data:`MIN_TOKENS` tokens or a model TEAL cannot run."""
+@dataclass
+class Calibration:
+    """Histograms int64 ``[n_layer, 4, N_BINS]`` of ``|x|`` (``hist``) and of ``|x_j| * c_j`` (``wina``; None
+    when not recorded), over ``n_tokens`` tokens."""
+
+    hist: torch.Tensor
+    wina: torch.Tensor | None
+    n_tokens: int
+
+
+def column_norms(g: GGUFFile, n_layer: int) -> list[list[torch.Tensor]]:
+    """``[n_layer][4]`` float32 ``[K]``: ``||W[:, j]||_2`` of each input's consuming matrix (q/k/v and gate/up
+    joined along their outputs), dequantized from ``g`` (row-major ``W`` or input-major ``W^T``)."""
+    out = []
+    for i in range(n_layer):
+        row = []
+        for kind in KINDS:
+            sq = None
+            for m in MATRICES[kind]:
+                base = f"blk.{i}.{m}"
+                t_major = stored_name(base, True) in g.tensors
+                t = g.tensors[stored_name(base, t_major)]
+                w = _dequant(t, _torch_shape(t)).astype(np.float64)
+                part = (w * w).sum(axis=1 if t_major else 0)
+                sq = part if sq is None else sq + part
+            row.append(torch.from_numpy(np.sqrt(sq)).float())
+        out.append(row)
+    return out
+
+
+def calibrate_inputs(gguf_path: str | Path, text: str, n_ctx: int = 512, max_tokens: int = 16384,
+                     wina: bool = True) -> Calibration:
+    """The histograms of every input over ``text`` (at most ``max_tokens`` tokens, BOS first as the file says,
+    run in chunks of ``n_ctx`` tokens each from position 0). Raises PowerInferError for a text shorter than
+    :data:`MIN_TOKENS` tokens or a model TEAL cannot run."""
     from ..runtime.input_sparse import TealTransformer
     from ..runtime.tokenizer import GGUFTokenizer
 
     g = open_gguf(gguf_path)
     if is_teal(g):
         raise PowerInferError(f"{gguf_path}: already an input-sparse (TEAL) file; calibrate the dense one")
-    tok = GGUFTokenizer(g)
-    ids = tok.encode(text)[:max_tokens]
-    if len(ids) < MIN_TOKENS:
-        raise PowerInferError(f"calibration text too short: {len(ids)} tokens, at least {MIN_TOKENS} needed")
+    ids = GGUFTokenizer(g).encode(text)[:max_tokens]
+    check_tokens(len(ids))
     model = TealTransformer(g, torch.float32, dense=True, n_ctx=n_ctx)
-    hist = torch.zeros(model.args.n_layer, len(KINDS), N_BINS, dtype=torch.int64)
+    cal = Calibration(new_hist(model.args.n_layer), new_hist(model.args.n_layer) if wina else None, len(ids))
+    norms = column_norms(g, model.args.n_layer) if wina else None
     for i, kind, p in model.products():
-        p.recorder = (lambda h: (lambda x: _add(h, x)))(hist[i, KINDS.index(kind)])
-    step = model.n_ctx
+        p.recorder = recorder(cal, i, kind, None if norms is None else norms[i][KINDS.index(kind)])
     with torch.inference_mode():
-        for s in range(0, len(ids), step):
-            chunk = ids[s:s + step]
-            model.forward(torch.tensor(chunk, dtype=torch.long), 0)
-    return hist, len(ids)
+        for s in range(0, len(ids), model.n_ctx):
+            model.forward(torch.tensor(ids[s:s + model.n_ctx], dtype=torch.long), 0)
+    return cal
 
 
-def save_hist(folder: str | Path, hist: torch.Tensor, n_tokens: int, source: str) -> Path:
-    """Write ``hist`` ``[n_layer, 4, N_BINS]`` as ``input_hist_{i}.pt`` + ``input_hist.json`` (atomically);
-    an activation folder's other files (``pi-profile``'s counts, stats, report) are kept."""
-    import shutil
+def recorder(cal: Calibration, i: int, kind: str, colnorm: torch.Tensor | None):
+    """A callback counting an input ``x`` ``[T, K]`` of layer ``i``'s ``kind`` into ``cal`` (``colnorm`` ``[K]``:
+    WINA's weights, None when ``cal.wina`` is None)."""
+    k = KINDS.index(kind)
 
-    from ..formats.activation import OWNED
-
-    owned = r"input_hist_\d+\.pt|input_hist\.json|" + OWNED
-    folder = Path(folder)
-    with atomic_dir(folder, owned) as tmp:
-        if folder.is_dir():
-            for p in folder.iterdir():
-                if re.fullmatch(OWNED, p.name):
-                    shutil.copy2(p, tmp / p.name)
-        for i in range(hist.shape[0]):
-            torch.save(hist[i].clone(), tmp / HIST_FILE.format(i=i))
-        (tmp / HIST_META).write_text(json.dumps({"lo": LO, "hi": HI, "n_bins": N_BINS, "n_tokens": n_tokens,
-                                                 "kinds": list(KINDS), "source": source}, indent=1) + "\n")
-    return Path(folder)
+    def rec(x: torch.Tensor) -> None:
+        add_values(cal.hist[i, k], x)
+        if colnorm is not None:
+            add_values(cal.wina[i, k], x.float().abs() * colnorm)
+    return rec
 
 
-def load_hist(folder: str | Path, n_layer: int) -> torch.Tensor:
-    """``[n_layer, 4, N_BINS]`` from an activation folder; PowerInferError naming what is wrong."""
-    folder = Path(folder)
-    meta = folder / HIST_META
-    if not meta.is_file():
-        raise PowerInferError(f"{folder}: no {HIST_META} (calibrate with --data TEXT or pi-sparsify --data)")
-    m = json.loads(meta.read_text())
-    if (m.get("lo"), m.get("hi"), m.get("n_bins")) != (LO, HI, N_BINS):
-        raise PowerInferError(f"{meta}: histogram bins {m.get('lo')}..{m.get('hi')} x {m.get('n_bins')} are not "
-                              f"this version's {LO}..{HI} x {N_BINS}")
-    files = layer_files(folder, re.compile(r"input_hist_(\d+)\.pt"), "activation")
-    if sorted(files) != list(range(n_layer)):
-        raise PowerInferError(f"{folder}: input histograms for layers {sorted(files)[:8]}..., the model has {n_layer}")
-    out = []
-    for i in range(n_layer):
-        h = torch.load(files[i], weights_only=True)
-        if not isinstance(h, torch.Tensor) or tuple(h.shape) != (len(KINDS), N_BINS) or (h < 0).any():
-            raise PowerInferError(f"{files[i]}: expected non-negative counts [4, {N_BINS}]")
-        out.append(h.to(torch.int64))
-    return torch.stack(out)
-
-
-def threshold_for(hist: torch.Tensor, s: float) -> float:
-    """The |x| below which a share ``s`` of the histogram's values lie (a bin edge, log-spaced); 0
-    for ``s`` 0. ``hist``: int64 ``[N_BINS]``."""
-    if s <= 0:
-        return 0.0
-    c = torch.cumsum(hist.double(), 0)
-    total = float(c[-1])
-    if total == 0:
-        return 0.0
-    k = int(torch.searchsorted(c, torch.tensor(s * total, dtype=torch.float64)))  # first bin reaching s
-    return float(_log_edges()[min(k + 1, N_BINS)])
+def calibrate(gguf_path: str | Path, text: str, n_ctx: int = 512, max_tokens: int = 16384) -> tuple[torch.Tensor, int]:
+    """``|x|`` histograms int64 ``[n_layer, 4, N_BINS]`` and the token count (:func:`calibrate_inputs`)."""
+    cal = calibrate_inputs(gguf_path, text, n_ctx, max_tokens, wina=False)
+    return cal.hist, cal.n_tokens
 
 
 def uniform_thresholds(hist: torch.Tensor, s: float) -> torch.Tensor:
@@ -165,16 +157,16 @@ def uniform_thresholds(hist: torch.Tensor, s: float) -> torch.Tensor:
 
 
 def greedy_levels(gguf_path: str | Path, hist: torch.Tensor, text: str, s: float, step: float = GREEDY_STEP,
-                  n_tokens: int = GREEDY_TOKENS) -> torch.Tensor:
+                  n_tokens: int = GREEDY_TOKENS, colnorms: list[list[torch.Tensor]] | None = None) -> torch.Tensor:
     """Per-input sparsity levels float32 ``[n_layer, 4]`` by TEAL's greedy block-wise allocation (module
-    docstring) for target ``s``, from histograms ``hist`` and the first ``n_tokens`` tokens of ``text``."""
+    docstring) for target ``s``, from histograms ``hist`` and the first ``n_tokens`` tokens of ``text``; with
+    ``colnorms`` (:func:`column_norms`), ``hist`` is WINA's and the masks rank inputs by ``|x_j| * c_j``."""
     from ..runtime.input_sparse import TealTransformer
     from ..runtime.tokenizer import GGUFTokenizer
 
     g = open_gguf(gguf_path)
     ids = GGUFTokenizer(g).encode(text)[:n_tokens]
-    if len(ids) < MIN_TOKENS:
-        raise PowerInferError(f"calibration text too short: {len(ids)} tokens, at least {MIN_TOKENS} needed")
+    check_tokens(len(ids))
     model = TealTransformer(g, torch.float32, dense=True, n_ctx=len(ids))
     a = model.args
     hd = a.head_dim
@@ -190,6 +182,8 @@ def greedy_levels(gguf_path: str | Path, hist: torch.Tensor, text: str, s: float
             model.forward(torch.tensor(ids, dtype=torch.long), 0)
             for i, layer in enumerate(model.layers):
                 prods = [model.teal_layers[i].products[k] for k in KINDS]
+                for k, p in enumerate(prods):
+                    p.colnorm = None if colnorms is None else colnorms[i][k]
                 x = inputs[i]
 
                 def err(lv) -> float:
@@ -218,7 +212,7 @@ def greedy_levels(gguf_path: str | Path, hist: torch.Tensor, text: str, s: float
                     if over > 0:
                         lv[best[1]] -= over / float(wgt[best[1]])
                 for p in prods:
-                    p.mask_threshold = 0.0
+                    p.mask_threshold, p.colnorm = 0.0, None
     finally:
         del model.block
     return levels.float()
@@ -231,10 +225,12 @@ def level_thresholds(hist: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
 
 
 def write_teal(src: str | Path, dst: str | Path, thresholds: torch.Tensor, sparsity: float, method: str = "uniform",
-               outtype: str | None = None) -> Path:
+               outtype: str | None = None, colnorms: list[list[torch.Tensor]] | None = None) -> Path:
     """Write ``src`` (a dense GGUF) as a TEAL file at ``dst``: thresholds ``[n_layer, 4]``, each matrix of a
-    sparsified input stored input-major in its own type (or ``outtype``). Raises PowerInferError (nothing
-    written) for a type that cannot be written along the outputs or a row length not whole blocks."""
+    sparsified input stored input-major in its own type (or ``outtype``); for a weighted ``method`` (``wina``)
+    the ``colnorms`` (``[n_layer][4]`` float32 ``[K]``, :func:`column_norms`) of the sparsified inputs. Raises
+    PowerInferError (nothing written) for a type that cannot be written along the outputs (K-quants, Q5: give
+    ``outtype``) or a row length not whole blocks."""
     from ..runtime.args import ModelArgs
     from ..runtime.input_sparse import check_family
 
@@ -242,6 +238,7 @@ def write_teal(src: str | Path, dst: str | Path, thresholds: torch.Tensor, spars
     g = open_gguf(src)
     a = ModelArgs.from_gguf(g)
     check_family(a, str(src))
+    check_method(method)
     if is_teal(g) or g.sparse:
         raise PowerInferError(f"{src}: not a dense GGUF (already input-sparse or PWRI)")
     if "blk.0.attn_qkv.weight" in g.tensors:
@@ -252,6 +249,8 @@ def write_teal(src: str | Path, dst: str | Path, thresholds: torch.Tensor, spars
         raise PowerInferError("thresholds must be finite and >= 0")
     if outtype is not None and outtype.lower() not in OUTTYPES:
         raise PowerInferError(f"--outtype {outtype!r}: expected one of {', '.join(OUTTYPES)}")
+    if (method in WEIGHTED) != (colnorms is not None):
+        raise PowerInferError(f"method {method}: column norms are {'required' if method in WEIGHTED else 'not used'}")
     check_outfile(dst, [src])
     sparse_of = {}
     for i in range(a.n_layer):
@@ -259,7 +258,7 @@ def write_teal(src: str | Path, dst: str | Path, thresholds: torch.Tensor, spars
             if float(thresholds[i, k]) > 0:
                 for m in MATRICES[kind]:
                     sparse_of[f"blk.{i}.{m}.weight"] = f"blk.{i}.{m}_t.weight"
-    plan = []
+    plan, unwritable = [], {}
     for t in g.reader.tensors:
         shape = _torch_shape(t)
         if t.name not in sparse_of:
@@ -267,13 +266,30 @@ def write_teal(src: str | Path, dst: str | Path, thresholds: torch.Tensor, spars
             continue
         qt = QT[outtype.upper()] if outtype else t.tensor_type
         if qt.name not in _WRITABLE:
-            raise PowerInferError(f"{src}: {t.name} is {t.tensor_type.name}, which cannot be re-encoded along its "
-                                  f"outputs here; give --outtype ({', '.join(OUTTYPES)})")
+            unwritable.setdefault(qt.name, t.name)
+            continue
         block = gguf.GGML_QUANT_SIZES[qt][0]
         if shape[0] % block:
             raise PowerInferError(f"{src}: {t.name} has {shape[0]} outputs, not a multiple of {qt.name}'s block of "
                                   f"{block}: give --outtype f16 or f32")
         plan.append((t, sparse_of[t.name], (shape[1], shape[0]), qt, "T"))
+    if unwritable:
+        kq = any(n.endswith("_K") for n in unwritable)
+        first = next(iter(unwritable.values()))
+        raise PowerInferError(f"{src}: {', '.join(unwritable)} matrices (first {first}) cannot be re-encoded "
+                              f"input-major here ({'the gguf package writes no K-quants; ' if kq else ''}"
+                              f"writable: F32, F16, BF16, Q8_0, Q4_0): give --outtype q4_0, q8_0 or f16")
+    extra = []  # (name, float32 array): thresholds, then column norms
+    for i in range(a.n_layer):
+        extra.append((THRESHOLDS.format(i=i), thresholds[i].numpy().astype(np.float32)))
+    if colnorms is not None:
+        for i in range(a.n_layer):
+            for k, kind in enumerate(KINDS):
+                if float(thresholds[i, k]) > 0:
+                    c = np.ascontiguousarray(colnorms[i][k].float().numpy())
+                    if not np.isfinite(c).all() or (c < 0).any():
+                        raise PowerInferError(f"column norms of layer {i} {kind} must be finite and >= 0")
+                    extra.append((COLNORM.format(i=i, kind=kind), c))
     with atomic_path(dst) as tmp:
         w = gguf.GGUFWriter(str(tmp), g.arch)
         _copy_metadata(w, g, int(g.get("general.file_type", 0) or 0))
@@ -288,19 +304,18 @@ def write_teal(src: str | Path, dst: str | Path, thresholds: torch.Tensor, spars
                 e = encode(np.ascontiguousarray(wmat.T), qt, name)
             w.add_tensor_info(name, shape, np.dtype(np.float32), e.nbytes, raw_dtype=qt)
             encoded.append((t, e))
-        thr_enc = []
-        for i in range(a.n_layer):
-            arr = thresholds[i].numpy().astype(np.float32)
-            e = encode(arr, QT.F32, THRESHOLDS.format(i=i))
-            w.add_tensor_info(THRESHOLDS.format(i=i), (4,), np.dtype(np.float32), e.nbytes, raw_dtype=QT.F32)
-            thr_enc.append(e)
+        extra_enc = []
+        for name, arr in extra:
+            e = encode(arr, QT.F32, name)
+            w.add_tensor_info(name, arr.shape, np.dtype(np.float32), e.nbytes, raw_dtype=QT.F32)
+            extra_enc.append(e)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         for t, e in encoded:
             w.write_tensor_data(e)
             _drop_pages(g, t)
-        for e in thr_enc:
+        for e in extra_enc:
             w.write_tensor_data(e)
         w.close()
     return dst
@@ -315,17 +330,33 @@ def _dequant(t, shape: tuple[int, ...]) -> np.ndarray:
     return gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32).reshape(shape)
 
 
+def plan_thresholds(src: str | Path, method: str, cal: Calibration, sparsity: float,
+                    text: str | None = None) -> tuple[torch.Tensor, list[list[torch.Tensor]] | None]:
+    """Thresholds float32 ``[n_layer, 4]`` for ``sparsity`` by ``method`` from ``cal`` (``greedy`` also runs
+    ``text``), and the column norms a weighted method stores (None otherwise)."""
+    if method.endswith("greedy") and text is None:
+        raise PowerInferError(f"--method {method} measures block errors on the calibration text: give --data TEXT")
+    norms = None
+    if method in WEIGHTED:
+        if cal.wina is None:
+            raise PowerInferError(f"--method {method}: the calibration has no weighted histograms")
+        norms = column_norms(open_gguf(src), cal.wina.shape[0])
+    hist = cal.hist if norms is None else cal.wina
+    if method.endswith("greedy"):
+        return level_thresholds(hist, greedy_levels(src, hist, text, sparsity, colnorms=norms)), norms
+    return uniform_thresholds(hist, sparsity), norms
+
+
 def sparsify(src: str | Path, dst: str | Path, sparsity: float, text: str | None = None,
              act_dir: str | Path | None = None, outtype: str | None = None, n_ctx: int = 512,
              method: str = "uniform") -> tuple[Path, torch.Tensor]:
     """Calibrate ``src`` on ``text`` (histograms saved to ``act_dir`` when given) or read ``act_dir``'s
-    histograms, set thresholds for ``sparsity`` by ``method`` (``uniform``; ``greedy`` needs ``text``)
-    and write ``dst``; returns it and the thresholds."""
+    histograms, set thresholds for ``sparsity`` by ``method`` (``uniform``, ``wina``; ``greedy`` needs
+    ``text``) and write ``dst``; returns it and the thresholds."""
     sparsity = check_sparsity(sparsity)
-    if method not in ("uniform", "greedy"):
-        raise PowerInferError(f"--method {method!r}: expected uniform or greedy")
-    if method == "greedy" and text is None:
-        raise PowerInferError("--method greedy measures block errors on the calibration text: give --data TEXT")
+    check_method(method)
+    if method.endswith("greedy") and text is None:
+        raise PowerInferError(f"--method {method} measures block errors on the calibration text: give --data TEXT")
     from ..runtime.args import ModelArgs
     from ..runtime.input_sparse import check_family
 
@@ -334,15 +365,14 @@ def sparsify(src: str | Path, dst: str | Path, sparsity: float, text: str | None
     check_family(a, str(src))
     check_outfile(dst, [src])
     if text is not None:
-        hist, n = calibrate(src, text, n_ctx)
+        cal = calibrate_inputs(src, text, n_ctx)
         if act_dir is not None:
-            save_hist(act_dir, hist, n, str(src))
+            save_hist(act_dir, cal.hist, cal.n_tokens, str(src), cal.wina)
     elif act_dir is not None:
-        hist = load_hist(act_dir, a.n_layer)
+        weighted = method in WEIGHTED
+        cal = Calibration(load_hist(act_dir, a.n_layer), load_hist(act_dir, a.n_layer, "wina") if weighted else None,
+                          0)
     else:
         raise PowerInferError("give --data TEXT (calibrate now) or an activation folder with input histograms")
-    if method == "greedy":
-        thr = level_thresholds(hist, greedy_levels(src, hist, text, sparsity))
-    else:
-        thr = uniform_thresholds(hist, sparsity)
-    return write_teal(src, dst, thr, sparsity, method, outtype), thr
+    thr, norms = plan_thresholds(src, method, cal, sparsity, text)
+    return write_teal(src, dst, thr, sparsity, method, outtype, norms), thr

@@ -27,8 +27,11 @@ def read_text(path: str) -> str:
               help="Activation folder: input_hist_{i}.pt written (with --data) or read (without).")
 @click.option("--outtype", type=click.Choice(OUTTYPES, case_sensitive=False), default=None,
               help="Type of the input-major matrices (default: each matrix's own type; K-quants need one).")
-@click.option("--method", type=click.Choice(("uniform", "greedy")), default="uniform", show_default=True,
-              help="Per-input levels: every input at SPARSITY, or TEAL's greedy block-wise allocation (needs --data).")
+@click.option("--method", type=click.Choice(("uniform", "greedy", "wina", "wina-greedy")), default="uniform",
+              show_default=True,
+              help="Per-input levels: every input at SPARSITY by |x|; TEAL's greedy block-wise allocation (needs "
+                   "--data); every input at SPARSITY by WINA's |x_j| * ||W[:, j]||; or wina-greedy, both "
+                   "(needs --data).")
 @click.option("-c", "--ctx-size", "n_ctx", type=click.IntRange(16, 1 << 16), default=512, show_default=True,
               help="Tokens per calibration chunk.")
 @version_option("pi-sparsify")

@@ -11,7 +11,9 @@ Contract (this project's; no upstream reader knows these keys):
 * ``powerinfer.teal.sparsity`` (FLOAT32): the model-wide target it was calibrated for, in
   ``[0, MAX_SPARSITY]`` (the share of input entries zeroed, weighted by parameters);
 * ``powerinfer.teal.method`` (STRING): how the per-matrix levels were chosen (``uniform``:
-  every input at the target; ``greedy``: TEAL's block-wise allocation);
+  every input at the target; ``greedy``: TEAL's block-wise allocation; ``wina``: every input at
+  the target, ranked by WINA's weighted magnitude, below; ``wina-greedy``: that ranking with the
+  block-wise allocation);
 * per layer ``i``, ``blk.{i}.teal_thresholds`` (F32 ``[4]``): thresholds on ``|x|`` for the
   input of q/k/v (the normed attention input), of ``attn_output`` (the attention heads'
   output), of ``ffn_gate``/``ffn_up`` (the normed FFN input) and of ``ffn_down`` (the gated
@@ -21,18 +23,26 @@ Contract (this project's; no upstream reader knows these keys):
   ``[n_in, n_out]``, row ``j`` = column ``j`` of ``W``, quantized along the outputs, as
   PowerInfer stores ``ffn_down_t``), and *not* under its usual name; a matrix whose threshold
   is 0 stays row-major under its usual name. Biases (Qwen2's q/k/v) keep their names.
-  ``output.weight`` and ``token_embd.weight`` stay as they are (dense).
+  ``output.weight`` and ``token_embd.weight`` stay as they are (dense);
+* methods ``wina`` and ``wina-greedy`` only (WINA, arXiv 2505.19427): per layer ``i`` and sparsified input ``kind``,
+  ``blk.{i}.teal_colnorm_{kind}`` (F32 ``[K]``, K the input's length): ``c_j = ||W[:, j]||_2``, the
+  norm of column ``j`` of the matrix consuming the input (q/k/v and gate/up: over the outputs of the
+  matrices joined), from the dense source's weights. The threshold then applies to the weighted
+  magnitude: input ``j`` is kept when ``|x_j| * c_j >= t``. The norms are stored, not folded into the
+  weights (folding would scale norm weights and rows, so the stored matrices would no longer be the
+  source's and a dense run of the same file would differ by rounding); other methods have none.
 
 Validation (:func:`read_teal`): both keys of the right types, the sparsity in range, one
 threshold tensor per layer (F32, ``[4]``, finite, ``>= 0``, ``<= MAX_THRESHOLD``), every matrix
 present under exactly the name its threshold asks for with the transposed shape of the dense
-one; PowerInferError naming the file and the tensor otherwise. A file without the keys is a
+one, and for ``wina`` one column-norm tensor per sparsified input (F32, ``[K]``, finite, ``>= 0``);
+PowerInferError naming the file and the tensor otherwise. A file without the keys is a
 dense file (None).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -42,10 +52,12 @@ from .gguf_file import GGUFFile
 SPARSITY_KEY = "powerinfer.teal.sparsity"
 METHOD_KEY = "powerinfer.teal.method"
 THRESHOLDS = "blk.{i}.teal_thresholds"
+COLNORM = "blk.{i}.teal_colnorm_{kind}"
 KINDS = ("qkv", "o", "gate_up", "down")  # the four inputs of a block, in threshold order
 MATRICES = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
             "down": ("ffn_down",)}
-METHODS = ("uniform", "greedy")
+METHODS = ("uniform", "greedy", "wina", "wina-greedy")
+WEIGHTED = ("wina", "wina-greedy")  # methods whose thresholds apply to |x_j| * c_j (COLNORM tensors in the file)
 MAX_SPARSITY = 0.9
 MAX_THRESHOLD = 1e6  # |x| of a normed activation; anything larger is a corrupt file
 
@@ -53,14 +65,20 @@ MAX_THRESHOLD = 1e6  # |x| of a normed activation; anything larger is a corrupt 
 @dataclass(frozen=True)
 class TealInfo:
     """What a sparse file says: target ``sparsity``, ``method``, ``thresholds`` ``[n_layer][4]`` (floats,
-    :data:`KINDS` order)."""
+    :data:`KINDS` order) and, for a weighted method, ``colnorms`` ``[n_layer][4]`` (float32 numpy ``[K]``,
+    None for a dense input)."""
 
     sparsity: float
     method: str
     thresholds: tuple[tuple[float, float, float, float], ...]
+    colnorms: tuple[tuple, ...] | None = field(default=None, compare=False)  # numpy arrays: not compared
 
     def sparse(self, i: int, kind: str) -> bool:
         return self.thresholds[i][KINDS.index(kind)] > 0
+
+    def colnorm(self, i: int, kind: str) -> np.ndarray | None:
+        """float32 ``[K]``: the weights of input ``kind``'s magnitudes in layer ``i`` (None: plain ``|x|``)."""
+        return None if self.colnorms is None else self.colnorms[i][KINDS.index(kind)]
 
 
 def is_teal(g: GGUFFile) -> bool:
@@ -80,7 +98,7 @@ def _shape(g: GGUFFile, name: str) -> tuple[int, ...]:
 def read_teal(g: GGUFFile, n_layer: int) -> TealInfo | None:
     """The TEAL record of ``g`` (a model of ``n_layer`` layers, already bounded), or None for a
     dense file. Raises PowerInferError naming the file and what is wrong; reads only ``4 n_layer``
-    floats of tensor data."""
+    floats of tensor data (and the column norms of a ``wina`` file, the inputs' lengths)."""
     if not is_teal(g):
         return None
     s, m = g.get(SPARSITY_KEY), g.get(METHOD_KEY)
@@ -91,7 +109,7 @@ def read_teal(g: GGUFFile, n_layer: int) -> TealInfo | None:
     if g.sparse:
         raise PowerInferError(f"{g.path}: a PWRI (predictor) file with TEAL keys: the two kinds of sparsity "
                               "do not combine")
-    rows = []
+    rows, norms = [], []
     for i in range(n_layer):
         name = THRESHOLDS.format(i=i)
         t = g.tensors.get(name)
@@ -119,4 +137,26 @@ def read_teal(g: GGUFFile, n_layer: int) -> TealInfo | None:
                     raise PowerInferError(f"{g.path}: {want} is missing")
                 if thr > 0 and len(_shape(g, want)) != 2:
                     raise PowerInferError(f"{g.path}: {want} is not a matrix")
-    return TealInfo(float(s), str(m), tuple(rows))
+        norms.append(tuple(_colnorm(g, i, kind, thr > 0, m) for kind, thr in zip(KINDS, v)))
+    return TealInfo(float(s), str(m), tuple(rows), tuple(norms) if m in WEIGHTED else None)
+
+
+def _colnorm(g: GGUFFile, i: int, kind: str, sparse: bool, m: str) -> np.ndarray | None:
+    """The checked ``blk.{i}.teal_colnorm_{kind}`` (float32 ``[K]``) of a sparse input of a weighted method;
+    None otherwise (the tensor must then be absent)."""
+    name = COLNORM.format(i=i, kind=kind)
+    t = g.tensors.get(name)
+    if not (sparse and m in WEIGHTED):
+        if t is not None:
+            raise PowerInferError(f"{g.path}: {name} present, but only a sparse input of method "
+                                  f"{' or '.join(WEIGHTED)} has column norms")
+        return None
+    if t is None:
+        raise PowerInferError(f"{g.path}: {name} is missing (a {m} file has one per sparse input)")
+    k = _shape(g, stored_name(f"blk.{i}.{MATRICES[kind][0]}", True))[0]
+    if t.tensor_type.name != "F32" or _shape(g, name) != (k,):
+        raise PowerInferError(f"{g.path}: {name} is {t.tensor_type.name} {list(_shape(g, name))}, expected F32 [{k}]")
+    c = np.asarray(t.data, dtype=np.float32).reshape(k).copy()
+    if not np.isfinite(c).all() or (c < 0).any():
+        raise PowerInferError(f"{g.path}: {name}: column norms must be finite and >= 0")
+    return c

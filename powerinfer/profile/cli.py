@@ -4,6 +4,12 @@ Writes ``OUT/activation_{i}.pt`` (int64 ``[n_ff]`` per layer, FORMATS.md section
 ``OUT/powerinfer_stats.json``, then prints a per-layer table and draws ``OUT/report.png``
 (:mod:`powerinfer.report`; skipped with one line when matplotlib is not installed). See
 :mod:`powerinfer.profile.collect` for what is counted.
+
+A SiLU/GELU-gated model (a Hugging Face folder, or a GGUF file through the runtime) has no neurons to
+count: it gets the input-magnitude histograms input sparsity is set from instead
+(``OUT/input_hist_{i}.pt``, ``OUT/wina_hist_{i}.pt``, ``OUT/input_hist.json``;
+:mod:`powerinfer.profile.inputs`), which ``pi-convert MODEL OUT --sparsity S`` and
+``pi-sparsify IN OUT --activation OUT`` read.
 """
 from __future__ import annotations
 
@@ -44,7 +50,7 @@ def profile_table(stats: dict[str, Any]) -> str:
 
 
 @click.command(cls=PiCommand, context_settings=dict(help_option_names=["-h", "--help"]))
-@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.argument("model_dir", metavar="MODEL", type=click.Path(path_type=Path))
 @click.option("--data", required=True, type=str,
               help="Calibration text: any UTF-8 text file (paragraphs end at blank lines; e.g. WikiText's "
                    ".raw), .json/.jsonl (field --text-field), a folder of those, or hf:NAME[:CONFIG].")
@@ -52,8 +58,9 @@ def profile_table(stats: dict[str, Any]) -> str:
               help="Output folder for activation_{i}.pt (replaced atomically).")
 @click.option("--max-tokens", default=65536, show_default=True, type=click.IntRange(min=1),
               help="Stop after this many calibration tokens.")
-@click.option("--seq-len", default=256, show_default=True, type=click.IntRange(min=2),
-              help="Tokens per packed sequence (BOS + text).")
+@click.option("--seq-len", default=None, type=click.IntRange(min=2),
+              help="Tokens per packed sequence (BOS + text) [default: 256]; for a SiLU model, tokens per "
+                   "calibration chunk [default: 512, as pi-sparsify -c].")
 @click.option("--text-field", default="text", show_default=True, help="JSON field holding the text.")
 @calibration_options("--forward-batch", "--batch-size")
 @ffn_activation_option
@@ -61,7 +68,8 @@ def profile_table(stats: dict[str, Any]) -> str:
 @cli_errors
 def main(model_dir: Path, data: str, out_dir: Path, max_tokens: int, seq_len: int, text_field: str,
          device: str, dtype: str | None, threads: int | None, forward_batch: int, work_dir: Path | None) -> None:
-    """Profile MODEL_DIR (a Hugging Face model folder with a ReLU-family FFN).
+    """Profile MODEL: a Hugging Face model folder with a ReLU-family FFN, or a SiLU/GELU-gated one (folder
+    or GGUF file).
 
     Counts, per layer, how many calibration tokens activate each FFN neuron, and writes
     the counts PowerInfer's neuron placement reads, with OUT/report.png, the power-law
@@ -69,9 +77,22 @@ def main(model_dir: Path, data: str, out_dir: Path, max_tokens: int, seq_len: in
     without it the picture is skipped with one line). The model is streamed from its
     checkpoint one decoder layer at a time; run it under `torchrun --nproc-per-node N`
     to share the text between processes.
+
+    A SiLU/GELU-gated model (Llama 2/3, Qwen2/3, Mistral; a Hugging Face folder, or a GGUF file run by this
+    project's runtime, so a llama.cpp GGUF needs no Hugging Face copy) gets, per layer and matrix input, the
+    histograms of |x| and of WINA's |x_j| * ||W[:, j]|| instead: what `pi-convert MODEL OUT --sparsity S`
+    and `pi-sparsify --activation OUT` set input-sparsity thresholds from (f32, CPU, one process).
     """
-    require_model_folder(model_dir)  # before torch and transformers are imported (seconds)
     require_data(data)
+    if model_dir.is_file():
+        _require_gguf_model(model_dir)
+        return _profile_inputs(model_dir, data, out_dir, max_tokens, seq_len, text_field, device, dtype, threads)
+    require_model_folder(model_dir)  # before torch and transformers are imported (seconds)
+    from .inputs import is_input_sparse_model
+
+    if is_input_sparse_model(model_dir):
+        return _profile_inputs(model_dir, data, out_dir, max_tokens, seq_len, text_field, device, dtype, threads)
+    seq_len = seq_len or 256
     from .collect import profile_model_dir
 
     from transformers.utils import logging as hf_logging
@@ -91,6 +112,42 @@ def main(model_dir: Path, data: str, out_dir: Path, max_tokens: int, seq_len: in
     png = write_folder_report(out_dir)
     click.echo(f"power-law report -> {png} (redraw with pi-report)" if png is not None else MISSING_MATPLOTLIB,
                err=True)
+
+
+def _require_gguf_model(path: Path) -> None:
+    """A file given as MODEL must be a GGUF (magic checked before anything heavy is imported)."""
+    from ..cli_params import require_gguf
+    from ..errors import PowerInferError
+
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic not in (b"GGUF", b"PWRI"):
+        raise PowerInferError(f"{path}: not a folder or a GGUF file (expected a Hugging Face model folder, or the "
+                              "GGUF of a SiLU/GELU-gated model)")
+    require_gguf(path)
+
+
+def _profile_inputs(model: Path, data: str, out_dir: Path, max_tokens: int, seq_len: int | None, text_field: str,
+                    device: str, dtype: str | None, threads: int | None) -> None:
+    """The input-histogram profile of a SiLU/GELU-gated model (:func:`powerinfer.profile.inputs.profile_inputs`)."""
+    import time
+
+    from ..errors import PowerInferError
+    from .inputs import DEFAULT_CHUNK, profile_inputs, threshold_table
+
+    if device != "cpu" or dtype not in (None, "f32"):
+        raise PowerInferError("--device/--dtype: the input histograms of a SiLU/GELU-gated model are recorded in "
+                              "f32 on the CPU")
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    cal = profile_inputs(model, data, out_dir, n_ctx=seq_len or DEFAULT_CHUNK, max_tokens=max_tokens,
+                         text_field=text_field)
+    click.echo(threshold_table(cal))
+    click.echo(f"{cal.n_tokens} tokens, input histograms (|x| and WINA) of {cal.hist.shape[0]} layers, "
+               f"{time.perf_counter() - t0:.2f} s -> {out_dir}")
 
 
 if __name__ == "__main__":  # pragma: no cover

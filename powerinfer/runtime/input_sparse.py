@@ -12,7 +12,8 @@ a block (:data:`~powerinfer.formats.teal.KINDS`) are the normed attention input 
 ``W^T`` concatenated along the outputs, one AXPY pass), the heads' output (``attn_output``),
 the normed FFN input (gate and up, concatenated) and the gated activation ``act(gate) * up``
 (``ffn_down``: ``W^T`` is PowerInfer's ``ffn_down_t``). An input whose threshold is 0 runs the
-ordinary dense kernels on the row-major matrix.
+ordinary dense kernels on the row-major matrix. A ``wina`` file keeps input ``j`` when
+``|x_j| * c_j >= t`` instead, with ``c_j`` its stored column norm (``InputSparseLinear.colnorm``).
 
 Prompts (several tokens) zero the same inputs (``|x| < t``) and run the dense tile products on
 ``W^T`` (:func:`kernels.matmul`: each row read once for all tokens), so a prompt gives the numbers
@@ -88,10 +89,18 @@ class InputSparseLinear:
     n_kept: int = 0
     recorder: Callable[[torch.Tensor], None] | None = None  # calibration: sees every input before masking
     mask_threshold: float = 0.0  # calibration (greedy allocation): zero inputs below it on a row-major W too
+    colnorm: torch.Tensor | None = None  # WINA files: float32 [K]; input j kept when |x_j| * colnorm_j >= threshold
 
     @property
     def input_major(self) -> bool:
         return self.threshold > 0
+
+    def keep(self, x: torch.Tensor, thr: float) -> torch.Tensor:
+        """bool, ``x``'s shape ``[..., K]``: the inputs kept at threshold ``thr`` (``|x| >= thr``, or WINA's
+        ``|x| * colnorm >= thr``)."""
+        if self.colnorm is None:
+            return x.abs() >= thr
+        return x.float().abs() * self.colnorm >= thr
 
     def dense_view(self):
         """``W`` ``[N, K]`` as the ordinary kernels take it (a transposed view of ``W^T``)."""
@@ -104,7 +113,7 @@ class InputSparseLinear:
             self.recorder(x)
         T = x.shape[0]
         if self.mask_threshold > 0:
-            x = x * (x.abs() >= self.mask_threshold)
+            x = x * self.keep(x, self.mask_threshold)
         if not self.input_major:
             self.n_in += x.numel()
             self.n_kept += x.numel()
@@ -113,13 +122,13 @@ class InputSparseLinear:
         ws = self.w if isinstance(self.w, list) else [self.w]
         if T == 1:
             x0 = x[0]
-            idx = torch.arange(x0.numel()) if dense else (x0.abs() >= thr).nonzero().view(-1)
+            idx = torch.arange(x0.numel()) if dense else self.keep(x0, thr).nonzero().view(-1)
             self.n_in += x0.numel()
             self.n_kept += idx.numel()
             coef = x0.float()[idx]
             y = torch.cat([kernels.rows_axpy(idx, w, coef).float() for w in ws])[None]
         else:
-            keep = x.abs() >= thr
+            keep = self.keep(x, thr)
             self.n_in += x.numel()
             self.n_kept += x.numel() if dense else int(keep.sum())
             xm = x.float() if dense else x.float() * keep
@@ -191,7 +200,7 @@ class TealLayer:
 
 
 def _load_product(g: GGUFFile, i: int, kind: str, thr: float, a: ModelArgs, dtype: torch.dtype, mapped: bool,
-                  want: list[tuple[int, int]]) -> InputSparseLinear:
+                  want: list[tuple[int, int]], colnorm=None) -> InputSparseLinear:
     """The product of ``kind`` in layer ``i``: its matrices (torch shapes ``want``, ``W`` ``[N, K]``) read
     input-major (``_t``) when ``thr`` > 0, row-major otherwise; shapes checked."""
     names = [f"blk.{i}.{m}" for m in MATRICES[kind]]
@@ -228,7 +237,8 @@ def _load_product(g: GGUFFile, i: int, kind: str, thr: float, a: ModelArgs, dtyp
             bias = torch.cat(bs)
     elif any(f"{n}.bias" in g.tensors for n in names):
         raise PowerInferError(f"{g.path}: blk.{i} {kind} biases are not supported with input sparsity")
-    return InputSparseLinear(kind, w, float(thr), bias)
+    return InputSparseLinear(kind, w, float(thr), bias,
+                             colnorm=None if colnorm is None else torch.from_numpy(colnorm))
 
 
 class TealTransformer(Transformer):
@@ -257,11 +267,12 @@ class TealTransformer(Transformer):
         p = f"blk.{i}."
         thr = self.teal.thresholds[i] if self.teal is not None else (0.0,) * len(KINDS)
         hd, D, Fn = a.head_dim, a.n_embd, a.n_ff
+        cn = (lambda kind: None) if self.teal is None else (lambda kind: self.teal.colnorm(i, kind))  # WINA
         qkv = _load_product(g, i, "qkv", thr[0], a, dtype, mapped,
-                            [(a.n_head * hd, D), (a.n_head_kv * hd, D), (a.n_head_kv * hd, D)])
-        o = _load_product(g, i, "o", thr[1], a, dtype, mapped, [(D, a.n_head * hd)])
-        gu = _load_product(g, i, "gate_up", thr[2], a, dtype, mapped, [(Fn, D), (Fn, D)])
-        down = _load_product(g, i, "down", thr[3], a, dtype, mapped, [(D, Fn)])
+                            [(a.n_head * hd, D), (a.n_head_kv * hd, D), (a.n_head_kv * hd, D)], cn("qkv"))
+        o = _load_product(g, i, "o", thr[1], a, dtype, mapped, [(D, a.n_head * hd)], cn("o"))
+        gu = _load_product(g, i, "gate_up", thr[2], a, dtype, mapped, [(Fn, D), (Fn, D)], cn("gate_up"))
+        down = _load_product(g, i, "down", thr[3], a, dtype, mapped, [(D, Fn)], cn("down"))
         ffn = TealFFN(a.family, a.activation, gu, down, Fn, dense=self.teal_dense)
         ffn.up, ffn.down_t = gu.w, down.w  # byte counts and the --bench type line
         self.teal_layers.append(TealLayer(qkv, o, ffn, {"qkv": qkv, "o": o, "gate_up": gu, "down": down}))
