@@ -31,6 +31,9 @@ from ..limits import MAX_BUDGET_GIB, MAX_THRESHOLD
               help="GiB of GPU memory: also write <outfile>.generated.gpuidx placing the hottest neurons.")
 @click.option("--activation", "activation_dir", type=click.Path(file_okay=False), default=None,
               help="Activation folder for the placement (default: MODEL_DIR/activation).")
+@click.option("--dense", "dense", is_flag=True,
+              help="Write a dense GGUF even when the checkpoint carries its own predictors (TurboSparse-Mistral's "
+                   "mlp.predictor.fc1/fc2, which are otherwise written and make the file sparse).")
 @click.option("--for-pi-run", "for_pi_run", is_flag=True,
               help="The file is for pi-run only: no warnings about what upstream PowerInfer or llama.cpp would make "
                    "of it (n_ff <= 1000, f32/Q8_0 ffn_down_t, a dense ReLU llama file). Without it those are warned.")
@@ -48,8 +51,11 @@ from ..limits import MAX_BUDGET_GIB, MAX_THRESHOLD
 @version_option("pi-convert")
 @cli_errors
 def main(model_dir, pred_dir, outfile, outtype, predictor_type, sparse_threshold, vram_budget, activation_dir,
-         for_pi_run, sparsity, data, method):
-    """Write MODEL_DIR as a PowerInfer GGUF with the predictors in PRED_DIR, or a dense GGUF without."""
+         dense, for_pi_run, sparsity, data, method):
+    """Write MODEL_DIR as a PowerInfer GGUF with the predictors in PRED_DIR, or a dense GGUF without.
+
+    A checkpoint that carries its own predictors (TurboSparse-Mistral) needs no PRED_DIR: they
+    are written as published, unless --dense."""
     if sparsity is not None:
         from .teal import check_sparsity
 
@@ -59,6 +65,8 @@ def main(model_dir, pred_dir, outfile, outtype, predictor_type, sparse_threshold
     require_model_folder(model_dir)  # before torch and transformers are imported (seconds)
     if sparsity is not None:
         return _convert_teal(model_dir, pred_dir, outfile, outtype.lower(), sparsity, data, method)
+    if pred_dir is not None and dense:
+        raise PowerInferError("--dense writes no predictors: give PRED_DIR or --dense, not both")
     if pred_dir is not None:
         require_folder(pred_dir, "predictor")
     if activation_dir is not None:
@@ -69,6 +77,8 @@ def main(model_dir, pred_dir, outfile, outtype, predictor_type, sparse_threshold
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     act_dir = Path(activation_dir) if activation_dir else Path(model_dir) / "activation"
+    if vram_budget is not None and pred_dir is None and not dense and not act_dir.is_dir():
+        _refuse_placement_without_counts(model_dir, act_dir)
     before_write = None
     if vram_budget is not None:  # check the placement inputs and the budget before writing anything
         def before_write(tensors, dims):
@@ -79,13 +89,30 @@ def main(model_dir, pred_dir, outfile, outtype, predictor_type, sparse_threshold
                 load_activation_dir(act_dir, n_layer=dims["n_layer"], n_ff=dims["n_ff"])
     out = convert(model_dir, outfile, pred_dir, outtype.lower(), sparse_threshold,
                   predictor_type=predictor_type.lower() if predictor_type else None, before_write=before_write,
-                  upstream_warnings=not for_pi_run)
-    kind = "PowerInfer GGUF (PWRI, sparse)" if pred_dir else "dense GGUF"
+                  upstream_warnings=not for_pi_run, own_predictors=not dense)
+    from ..formats.gguf_file import PWRI_BYTES, read_magic
+
+    kind = "dense GGUF" if read_magic(out) != PWRI_BYTES else "PowerInfer GGUF (PWRI, sparse)" if pred_dir \
+        else "PowerInfer GGUF (PWRI, sparse; the checkpoint's own predictors)"
     click.echo(f"wrote {out} ({kind}, {out.stat().st_size / 1e6:.2f} MB)")
     if vram_budget is not None:
         plan = ensure_gpu_index(out, vram_budget, act_dir, reset=True)
         if plan is not None:
             click.echo(f"wrote {plan.path}: {plan.summary}")
+
+
+def _refuse_placement_without_counts(model_dir: str, act_dir: Path) -> None:
+    """``--vram-budget`` for a checkpoint with its own predictors needs neuron frequencies, which no
+    predictor training left behind: refused (PowerInferError) before anything is written, naming
+    the step that gives them (pi-profile counts each neuron's real dReLU firing on calibration text)."""
+    from ..hf import resolve_model
+    from .own_predictors import has_own_predictors
+
+    if has_own_predictors(model_dir, resolve_model(model_dir)[0]):
+        raise PowerInferError(
+            f"{act_dir}: no activation folder, and --vram-budget places the hottest neurons by how often each "
+            f"fires; this checkpoint carries its own predictors, so nothing has counted that yet: run pi-profile "
+            f"{model_dir} --data TEXT --out ACT_DIR, then pass --activation ACT_DIR")
 
 
 def _convert_teal(model_dir: str, act_dir: str | None, outfile: str, outtype: str, sparsity: float,

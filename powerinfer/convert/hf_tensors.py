@@ -57,6 +57,10 @@ class HFTensors:
     def names(self) -> list[str]:
         return list(self._where)
 
+    def file(self, name: str) -> Path:
+        """The shard that holds ``name``."""
+        return self._where[name]
+
     def __contains__(self, name: str) -> bool:
         return name in self._where
 

@@ -22,6 +22,9 @@ every bias (``ffn_down_t.bias`` in PowerInfer files), ``position_embd`` and no
 ``output`` (tied). Anything else in the checkpoint that the family cannot map stops
 the conversion before a byte is written.
 
+A checkpoint that carries its own predictors (TurboSparse-Mistral's ``mlp.predictor.fc1/fc2``)
+becomes a PowerInfer GGUF with them and no predictor folder (:mod:`.own_predictors`).
+
 Beyond upstream's keys we write ``powerinfer.activation`` (and
 ``powerinfer.activation_threshold`` for FATReLU) so no reader guesses the FFN
 activation from the architecture name, the model's real context length
@@ -55,6 +58,7 @@ from ..hf import check_model
 from ..progress import progress as progress_bar
 from .outfile import check_outfile
 from .hf_tensors import HFTensors
+from .own_predictors import PREDICTOR, THRESHOLD as OWN_THRESHOLD, OwnPredictors, find_own_predictors
 from .tensor_types import (FILE_TYPES, OUTTYPES, PREDICTOR_TYPES, UPSTREAM_Q8_0_SPARSE, encode, fallback_note,
                            falls_back, nbytes, tensor_type)
 from .vocab import add_vocab
@@ -101,7 +105,7 @@ class PlannedTensor:
 
 def _plan(family: Family, cfg: dict, dims: dict, tensors: HFTensors, sparse: bool,
           predictors: list[LayerPredictor] | None, src: Path,
-          rope: RopeScaling | None = None) -> list[PlannedTensor]:
+          rope: RopeScaling | None = None, own: OwnPredictors | None = None) -> list[PlannedTensor]:
     n_head, n_head_kv = dims["n_head"], dims["n_head_kv"]
     transforms = {
         None: lambda t: t,
@@ -119,16 +123,17 @@ def _plan(family: Family, cfg: dict, dims: dict, tensors: HFTensors, sparse: boo
             raise PowerInferError(f"{src}: tensor {name!r} has no GGUF name in the {family.name} family; "
                                   "refusing to write a file that would miss it")
         gname, tr = hit
-        if gname is None:  # a tied copy upstream does not store
-            continue
+        if gname is None or (tr == PREDICTOR and own is None):  # a tied copy upstream does not store, or
+            continue  # the checkpoint's own predictor when the file takes a folder's (or none)
         shape = tensors.shape(name)
         if tr == "down" and sparse:
             gname = gname.replace(".ffn_down.", ".ffn_down_t.")
             shape = shape[::-1]
         if gname in by_name:
             raise PowerInferError(f"{src}: two checkpoint tensors map to {gname} (the second is {name!r})")
-        fn = transforms[tr]
-        by_name[gname] = PlannedTensor(gname, shape, (lambda n=name, f=fn: f(tensors.get(n))))
+        load = (lambda n=name: own.load(tensors, n)) if tr == PREDICTOR else \
+            (lambda n=name, f=transforms[tr]: f(tensors.get(n)))
+        by_name[gname] = PlannedTensor(gname, shape, load)
     expected = family.expected_gguf_tensors(dims["n_layer"], sparse)
     # Tied embeddings: the upstream loader wants an explicit output.weight; llama.cpp's reuses token_embd.
     tied = "output.weight" not in by_name and "output.weight" in expected
@@ -208,7 +213,7 @@ def convert(model_dir: str | Path, outfile: str | Path, pred_dir: str | Path | N
             outtype: str = "f16", sparse_threshold: float | None = None, progress: bool = True,
             predictor_type: str | None = None,
             before_write: Callable[[list[tuple[str, int]], dict], None] | None = None,
-            upstream_warnings: bool = True) -> Path:
+            upstream_warnings: bool = True, own_predictors: bool = True) -> Path:
     """Convert ``model_dir`` (+ ``pred_dir``) to ``outfile``; returns the output path.
 
     ``outtype``: ``f16`` (2-D weights in f16, 1-D in f32; what upstream PowerInfer
@@ -216,7 +221,11 @@ def convert(model_dir: str | Path, outfile: str | Path, pred_dir: str | Path | N
     or ``q4_0`` / ``q8_0`` (ggml's reference quantizers, :mod:`powerinfer.quant.ggml`). Which
     tensor gets which type, for quantized files too (``output.weight`` Q8_0, predictors
     ``predictor_type``, F16 for rows that are not a multiple of 32), is :func:`powerinfer.convert.tensor_types.tensor_type`.
-    ``sparse_threshold`` overrides the predictor folder's ``config.json``. Raises
+    ``sparse_threshold`` overrides the predictor folder's ``config.json``. Without ``pred_dir``
+    a checkpoint that carries its own predictors (TurboSparse-Mistral,
+    :mod:`powerinfer.convert.own_predictors`) is written sparse with them (threshold 0 unless
+    given) unless ``own_predictors`` is False (a dense GGUF); with ``pred_dir`` the folder's
+    predictors replace them. Raises
     PowerInferError for unsupported models or types, predictor folders that do not
     match, unmappable tensors, or NaN/inf weights in a quantized tensor; nothing is
     written at ``outfile`` then. The config must agree with the checkpoint
@@ -238,14 +247,20 @@ def convert(model_dir: str | Path, outfile: str | Path, pred_dir: str | Path | N
         sparse_threshold = check_sparse_threshold(sparse_threshold, "--sparse-threshold")
     checked = check_model(model_dir)
     family, cfg, act, dims = checked.family, checked.cfg, checked.act, checked.dims
-    sparse = pred_dir is not None
+    tensors = HFTensors(model_dir)
+    own = find_own_predictors(family, tensors, dims["n_layer"], dims["n_embd"], dims["n_ff"]) \
+        if pred_dir is None and own_predictors else None
+    sparse = pred_dir is not None or own is not None
     predictors = None
     if sparse:
         if not act.is_sparse:
             raise PowerInferError(f"{model_dir / 'config.json'}: activation {act.kind!r} is not ReLU-family, so its FFN "
                                   "has no sparsity to predict; convert without predictors for a dense GGUF" + act.note)
-        predictors = load_predictor_dir(pred_dir, dims["n_layer"], dims["n_embd"], dims["n_ff"])
-        if sparse_threshold is None:  # checked by read_predictor_config
+        if pred_dir is not None:
+            predictors = load_predictor_dir(pred_dir, dims["n_layer"], dims["n_embd"], dims["n_ff"])
+        if sparse_threshold is None and own is not None:
+            sparse_threshold = OWN_THRESHOLD
+        elif sparse_threshold is None:  # checked by read_predictor_config
             sparse_threshold = float(read_predictor_config(pred_dir).get("sparse_threshold", 0.0))
         if outtype == "f32" and upstream_warnings:
             log.warning("f32 output: upstream PowerInfer's CPU kernel reads ffn_down_t only as f16/Q4_0 "
@@ -265,8 +280,7 @@ def convert(model_dir: str | Path, outfile: str | Path, pred_dir: str | Path | N
                     act.kind)
     rope = hf_rope_scaling(cfg, dims["head_dim"], rope_theta(cfg), str(model_dir / "config.json")) \
         if family.rope is not None else None
-    tensors = HFTensors(model_dir)
-    plan = _plan(family, cfg, dims, tensors, sparse, predictors, model_dir, rope)
+    plan = _plan(family, cfg, dims, tensors, sparse, predictors, model_dir, rope, own)
     types = [tensor_type(pt.gguf_name, pt.shape, outtype, predictor_type) for pt in plan]
     kept = [(pt.gguf_name, pt.shape) for pt in plan if falls_back(pt.gguf_name, pt.shape, outtype, predictor_type)]
     if kept:

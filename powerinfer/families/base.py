@@ -88,7 +88,8 @@ class TensorRule:
     not store). Transforms (applied by the converter): ``permute_q``/``permute_k``
     (HF rotate-half rows -> GGML interleaved RoPE rows), ``down`` (transposed to
     ``ffn_down_t`` in PowerInfer files), ``qkv_jploski`` (Falcon's fused QKV regrouped
-    as all Q heads, then all K, then all V).
+    as all Q heads, then all K, then all V), ``predictor`` (a predictor the checkpoint
+    carries itself, TurboSparse: written as is when the file takes it, else dropped).
     """
 
     hf: str
