@@ -117,33 +117,35 @@ def make_bamboo(out_dir: Path) -> Path:
 TURBOSPARSE_HIDDEN = (16, 24, 12)  # the predictor width H of each layer (published: read from the shapes)
 
 
-def make_turbosparse_mistral(out_dir: Path) -> Path:
+def make_turbosparse_mistral(out_dir: Path, n_embd: int = 64, n_ff: int = 96,
+                             hidden: tuple[int, ...] = TURBOSPARSE_HIDDEN, n_head: int = 8, n_head_kv: int = 2,
+                             sliding_window: int = SLIDING_WINDOW) -> Path:
     """TurboSparse-Mistral-Instruct's published layout: its config keys (``BambooForCausalLM``,
     ``model_type: bamboo``, ``torch_dtype: bfloat16``, ``use_cache: false``), bf16 weights in two
     shards with ``model.safetensors.index.json``, and each layer's own predictor
     ``model.layers.N.mlp.predictor.fc1.weight`` ``[H_N, n_embd]`` / ``fc2.weight`` ``[n_ff, H_N]``
-    (no biases); random weights, Bamboo's test shape (sliding window 8 < the test prompt)."""
+    (no biases); random weights, by default Bamboo's test shape (sliding window 8 < the test prompt) with
+    ``len(hidden)`` layers of predictor widths ``hidden``."""
     from safetensors.torch import save_file
 
     from powerinfer.models import BambooConfig, BambooForCausalLM
 
-    n_embd, n_ff = 64, 96
     cfg = {"architectures": ["BambooForCausalLM"], "attention_dropout": 0.0,
            "auto_map": {"AutoConfig": "configuration_bamboo.BambooConfig",
                         "AutoModel": "modeling_bamboo.BambooForCausalLM",
                         "AutoModelForCausalLM": "modeling_bamboo.BambooForCausalLM"},
            "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "relu", "hidden_size": n_embd,
            "initializer_range": 0.02, "intermediate_size": n_ff, "max_position_embeddings": 32768,
-           "model_type": "bamboo", "num_attention_heads": 8, "num_hidden_layers": N_LAYER,
-           "num_key_value_heads": 2, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
-           "sliding_window": SLIDING_WINDOW, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+           "model_type": "bamboo", "num_attention_heads": n_head, "num_hidden_layers": len(hidden),
+           "num_key_value_heads": n_head_kv, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+           "sliding_window": sliding_window, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
            "transformers_version": "4.41.0", "use_cache": False, "vocab_size": 512}
     torch.manual_seed(6)
     model = BambooForCausalLM(BambooConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "auto_map")}))
     _randomize(model, 6)
     sd = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
     g = torch.Generator().manual_seed(7)
-    for i, h in enumerate(TURBOSPARSE_HIDDEN):
+    for i, h in enumerate(hidden):
         sd[f"model.layers.{i}.mlp.predictor.fc1.weight"] = (torch.randn(h, n_embd, generator=g) * 0.2).to(torch.bfloat16)
         sd[f"model.layers.{i}.mlp.predictor.fc2.weight"] = (torch.randn(n_ff, h, generator=g) * 0.2).to(torch.bfloat16)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -137,7 +137,8 @@ def _convert_teal(model_dir: str, act_dir: str | None, outfile: str, outtype: st
         check_hf_text(model_dir, text)
     check_outfile(outfile, [model_dir])
     with tempfile.TemporaryDirectory(prefix="pi-teal-", dir=Path(outfile).resolve().parent) as tmp:
-        dense = convert(model_dir, Path(tmp) / "dense.gguf", None, outtype, None, upstream_warnings=False)
+        dense = convert(model_dir, Path(tmp) / "dense.gguf", None, outtype, None, upstream_warnings=False,
+                        own_predictors=False)
         out, _ = sparsify(dense, outfile, sparsity, text, act_dir, None, method=method)
     click.echo(f"wrote {out} (input-sparse GGUF, target {100 * sparsity:.0f}%, {method}; "
                f"{out.stat().st_size / 1e6:.2f} MB)")
