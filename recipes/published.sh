@@ -6,7 +6,9 @@
 #
 # Usage: bash recipes/published.sh MODEL HF_DIR [OUT_DIR]
 #   MODEL   relullama-7b | relullama-13b | relullama-70b | prosparse-7b | prosparse-13b |
-#           bamboo-7b | bamboo-7b-dpo | relufalcon-40b
+#           bamboo-7b | bamboo-7b-dpo | relufalcon-40b | turbosparse-mistral-7b
+#           (turbosparse-mistral-7b carries its own predictors: only pi-profile runs, for the
+#           sparsity and the GPU index, and pi-convert writes the checkpoint's predictors)
 #   HF_DIR  the downloaded Hugging Face folder (config.json, weights, tokenizer)
 #   OUT_DIR default out/MODEL (re-runnable: a killed calibration pass resumes at the layer
 #           it was in, finished predictors are skipped)
@@ -55,6 +57,7 @@ fi
 CAL_ARGS=(--data "$DATA" --seq-len 512 --forward-batch "$FORWARD_BATCH" --device "$DEVICE"
           "${DTYPE_ARG[@]}" "${CAL_THREADS_ARG[@]}")
 
+OWN_PREDICTORS=
 # name | params (B) | n_layer | n_embd | n_ff | vocab | profile tokens | predictor tokens | budget | published sparsity
 case "$MODEL" in
   relullama-7b)   P=6.74;  L=32; D=4096; F=11008; V=32000; PROF=131072; PRED=65536; BUDGET=0.09; SPARSITY="~67%";;
@@ -65,12 +68,15 @@ case "$MODEL" in
   bamboo-7b|bamboo-7b-dpo)
                   P=7.24;  L=32; D=4096; F=14336; V=32000; PROF=131072; PRED=65536; BUDGET=0.09; SPARSITY="~85-90%";;
   relufalcon-40b) P=41.8;  L=60; D=8192; F=32768; V=65024; PROF=65536;  PRED=32768; BUDGET=0.07; SPARSITY="~95%";;
+  turbosparse-mistral-7b)  # its own predictors (mlp.predictor.*): profiled only, converted as published
+                  P=7.24;  L=32; D=4096; F=14336; V=32064; PROF=131072; PRED=0;     BUDGET=0;    SPARSITY="~90% (paper)"
+                  OWN_PREDICTORS=1;;
   *) echo "unknown MODEL '$MODEL' (see the usage line at the top of $0)" >&2; exit 2;;
 esac
 PROF=${PROFILE_TOKENS:-$PROF}
 PRED=${PREDICTOR_TOKENS:-$PRED}
 HELD=$((PRED / 4))
-if [ -n "${PRED_DIR:-}" ]; then CAL_TOKENS=$PROF; ROWS_TOKENS=0; else CAL_TOKENS=$((PRED + HELD)); ROWS_TOKENS=$CAL_TOKENS; fi
+if [ -n "${PRED_DIR:-}" ] || [ -n "${OWN_PREDICTORS:-}" ]; then CAL_TOKENS=$PROF; ROWS_TOKENS=0; else CAL_TOKENS=$((PRED + HELD)); ROWS_TOKENS=$CAL_TOKENS; fi
 if [ -n "${THREADS:-}" ]; then CORES=$((THREADS * NPROC)); else CORES=$(nproc); fi
 
 python - "$P" "$L" "$D" "$F" "$V" "$CAL_TOKENS" "$ROWS_TOKENS" "$DEVICE" "${DTYPE:-}" "$NPROC" "$CORES" "$FORWARD_BATCH" <<'EOF'
@@ -112,10 +118,11 @@ if rows:
 EOF
 mkdir -p "$OUT"
 
-if [ -n "${PRED_DIR:-}" ]; then
-  echo "== 1/3 pi-profile: $PROF calibration tokens from $DATA on $DEVICE; predictors from $PRED_DIR (published sparsity: $SPARSITY)"
+if [ -n "${PRED_DIR:-}" ] || [ -n "${OWN_PREDICTORS:-}" ]; then
+  echo "== 1/3 pi-profile: $PROF calibration tokens from $DATA on $DEVICE; predictors from" \
+       "${PRED_DIR:-the checkpoint itself} (published sparsity: $SPARSITY)"
   "${PROFILE[@]}" "$HF_DIR" "${CAL_ARGS[@]}" --out "$OUT/activation" --max-tokens "$PROF"
-  PRED_OUT=$PRED_DIR
+  PRED_OUT=${PRED_DIR:-}
 else
   echo "== 1/3 pi-train-predictor: $PRED training + $HELD held-out tokens from $DATA on $DEVICE, budget $BUDGET" \
        "of the model's parameters; the same pass writes the profiling counts, over all $((PRED + HELD))" \
@@ -128,8 +135,10 @@ python -c "import json,sys; s=json.load(open(sys.argv[1])); print(f'measured mea
   "$OUT/activation/powerinfer_stats.json"
 
 echo "== 2/3 pi-convert: PowerInfer GGUF (f16, what upstream computes with) and a dense GGUF"
-pi-convert "$HF_DIR" "$PRED_OUT" --outfile "$OUT/$MODEL.powerinfer.gguf" --outtype f16
-pi-convert "$HF_DIR" --outfile "$OUT/$MODEL.gguf" --outtype f16
+DENSE_ARG=()
+[ -n "${OWN_PREDICTORS:-}" ] && DENSE_ARG=(--dense)  # else the checkpoint's predictors make it sparse
+pi-convert "$HF_DIR" ${PRED_OUT:+"$PRED_OUT"} --outfile "$OUT/$MODEL.powerinfer.gguf" --outtype f16
+pi-convert "$HF_DIR" "${DENSE_ARG[@]}" --outfile "$OUT/$MODEL.gguf" --outtype f16
 
 if [ -n "${VRAM_GIB:-}" ]; then
   BYTES=$(python -c "print(int(float('$VRAM_GIB') * 2**30))")
