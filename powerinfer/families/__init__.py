@@ -9,7 +9,7 @@ instead of hard-coding names. One small module per family declares its
 * :mod:`.llama3` -- Llama 2 / 3.x with SiLU (GGUF ``llama``; ``rope_freqs``, tied output)
 * :mod:`.mistral` -- Mistral 7B and Mistral-Nemo (GGUF ``llama``; sliding window, head_dim)
 * :mod:`.qwen`   -- Qwen2 / Qwen2.5 and Qwen3 (GGUF ``qwen2``, ``qwen3``)
-* :mod:`.bamboo` -- Bamboo-7B, dReLU on a Mistral body (GGUF ``bamboo``)
+* :mod:`.bamboo` -- Bamboo-7B and TurboSparse-Mistral, dReLU on a Mistral body (GGUF ``bamboo``)
 * :mod:`.falcon` -- ReLU-Falcon-40B, also legacy ``RWForCausalLM`` configs (GGUF ``falcon``)
 * :mod:`.opt`    -- OPT (GGUF ``opt``)
 
