@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from ..errors import PowerInferError
 from ..formats.gguf_file import GGUFFile
 from ..quant.qweight import MAPPED_TYPES, QWeight
+from . import kernels
 from .args import ModelArgs
 from .kernels import linear
 from .weights import _NATIVE, load_tensor, mapped_rows, tensor_shape, weight_nbytes
@@ -164,7 +165,12 @@ class ExpertsFFN:
 
     def route(self, xn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights, experts)``: fp32 ``[T, k]`` and LongTensor ``[T, k]`` for normed input ``[T, D]``."""
-        probs = torch.softmax(linear(xn, self.router).float(), dim=-1)  # [T, E]
+        T = xn.shape[0]
+        if 1 < T <= kernels.QGEMM_MAX_T:  # a batched decode step: each token's logits as it gets them alone
+            logits = torch.cat([linear(xn[t:t + 1], self.router) for t in range(T)])  # (the matrix-vector kernel)
+        else:
+            logits = linear(xn, self.router)
+        probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
         w, e = torch.topk(probs, self.ea.n_used, dim=-1)
         if self.ea.norm_w:
             w = w / w.sum(-1, keepdim=True).clamp_min(NORM_MIN)
