@@ -273,3 +273,35 @@ def test_ram_and_vram_budgets_are_refused_in_one_line():
         open_for_inference(p, ram_budget=1.0)
     with pytest.raises(PowerInferError, match="--vram-budget does not run mixture-of-experts files"):
         open_for_inference(p, vram_budget=1.0)
+
+
+def test_pi_server_np4_serves_moe_requests_as_each_alone(tmp_path):
+    """pi-server -np 4 on a Q4_0 Mixtral file (llama.cpp's, re-quantized by pi-quantize): four greedy
+    requests at once get the text each gets alone, decoded together (steps of several sequences)."""
+    import threading
+
+    import httpx
+
+    from powerinfer.convert.quantize import quantize_file
+    from test_server import Server
+
+    q4 = quantize_file(need(LLAMACPP / "mixtral.gguf"), tmp_path / "m-q4_0.gguf", "q4_0").path
+    prompts = ["Once upon a time", "The little dog", "Lily and Ben went to", "One day a bird"]
+    body = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    s = Server(q4, "-np", 4, "-c", 512, "--metrics")
+    try:
+        post = lambda p: httpx.post(s.url + "/v1/completions", timeout=120, json={**body, "prompt": p}).json()
+        want = {p: post(p)["choices"][0]["text"] for p in prompts}
+        got: dict[str, str] = {}
+        threads = [threading.Thread(target=lambda p=p: got.__setitem__(p, post(p)["choices"][0]["text"]))
+                   for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert got == want and len(set(want.values())) == 4
+        m = httpx.get(s.url + "/metrics", timeout=10).text
+        busy = float(re.search(r"^powerinfer_busy_slots_per_decode ([0-9.]+)", m, re.M).group(1))
+        assert busy > 1.0  # the four shared decode steps
+    finally:
+        s.stop()
