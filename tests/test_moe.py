@@ -305,3 +305,22 @@ def test_pi_server_np4_serves_moe_requests_as_each_alone(tmp_path):
         assert busy > 1.0  # the four shared decode steps
     finally:
         s.stop()
+
+
+def test_published_qwen3moe_key_num_experts_is_read(tmp_path):
+    """Published Qwen3-MoE configs name the expert count ``num_experts`` (transformers 5 saves
+    ``num_local_experts``): the same file either way."""
+    d = MOE_BUILDERS["qwen3moe"](tmp_path / "hf")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["num_experts"] = cfg.pop("num_local_experts")
+    (d / "config.json").write_text(json.dumps(cfg))
+    g = open_gguf(convert(d, tmp_path / "m.gguf", outtype="f32", progress=False))
+    assert g.get("qwen3moe.expert_count") == 8 and "blk.2.ffn_down_exps.weight" in g.tensors
+
+
+def test_profiling_an_moe_model_is_refused_in_one_line(tmp_path):
+    from powerinfer.calibrate.session import open_session
+
+    d = MOE_BUILDERS["mixtral"](tmp_path / "hf")
+    with pytest.raises(PowerInferError, match=r"config.json: pi-profile does not support mixture-of-experts models"):
+        open_session(d, "pi-profile")
