@@ -246,6 +246,45 @@ def make_qwen3moe(out_dir: Path, **kw) -> Path:
                    "rms_norm_eps": 1e-6, "head_dim": 32, "use_sliding_window": False, **kw})
 
 
+SMALLTHINKER_CONFIG = {
+    "architectures": ["SmallThinkerForCausalLM"], "model_type": "smallthinker", "vocab_size": 512,
+    "hidden_size": 64, "num_hidden_layers": N_LAYER, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "moe_num_primary_experts": 4, "moe_num_active_primary_experts": 2, "moe_ffn_hidden_size": 64,
+    "moe_primary_router_apply_softmax": False, "sliding_window_layout": [0, 1, 1], "sliding_window_size": 4096,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 4096, "hidden_act": "relu",
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+}
+
+
+def make_smallthinker(out_dir: Path, **kw) -> Path:
+    """SmallThinker-4BA0.6B's layout shrunk (transformers has no class: the checkpoint is written here by
+    name): 4 ReLU experts of width 64, 2 per token, a sigmoid router on the layer input, layer 0 full
+    attention without RoPE and layers 1-2 sliding (window 4096, as published), GQA 4/2."""
+    from safetensors.torch import save_file
+
+    cfg = {**SMALLTHINKER_CONFIG, **kw}
+    D, hd, V, E, Fx = cfg["hidden_size"], cfg["head_dim"], cfg["vocab_size"], cfg["moe_num_primary_experts"], \
+        cfg["moe_ffn_hidden_size"]
+    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,), "lm_head.weight": (V, D)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
+                       p + "self_attn.q_proj.weight": (4 * hd, D), p + "self_attn.k_proj.weight": (2 * hd, D),
+                       p + "self_attn.v_proj.weight": (2 * hd, D), p + "self_attn.o_proj.weight": (D, 4 * hd),
+                       p + "block_sparse_moe.primary_router.weight": (E, D)})
+        for x in range(E):
+            q = f"{p}block_sparse_moe.experts.{x}."
+            shapes.update({q + "gate.weight": (Fx, D), q + "up.weight": (Fx, D), q + "down.weight": (D, Fx)})
+    g = torch.Generator().manual_seed(19)
+    sd = {k: (torch.randn(s, generator=g) * 0.2 if len(s) == 2 else 1.0 + torch.randn(s, generator=g) * 0.1)
+          for k, s in shapes.items()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(sd, out_dir / "model.safetensors", metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=1))
+    _spm_tokenizer(out_dir)
+    return out_dir
+
+
 MOE_BUILDERS = {
     "mixtral": make_mixtral,
     "qwen3moe": make_qwen3moe,
