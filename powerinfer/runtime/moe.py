@@ -8,6 +8,10 @@ expert width) and ``ffn_down_exps`` (``[E, D, F]``). For normed input ``x`` ``[T
     ``p = softmax(x @ router.T)`` (fp32, ``[T, E]``), ``(w, e) = top-k(p)`` with ``k`` the used count,
     ``w /= sum(w)`` where the file renormalises, ``out = sum_j w_j * down_e_j(silu(gate_e_j x) * up_e_j x)``.
 
+SmallThinker (arch ``smallthinker``, :mod:`.smallthinker`) differs in three places: a sigmoid instead
+of the softmax when ``expert_gating_func`` is 2, ReLU instead of SiLU, and the router reading the
+layer's input (``pre_attention``: the block sets ``router_in``) instead of ``x``.
+
 Only the routed experts are computed. Expert ``e``'s matrices are the contiguous rows ``e*F..(e+1)*F``
 (``e*D..`` for down) of the stacked tensor, so each is a :class:`QWeight` view of the memory map (Q4_0,
 Q8_0, K-quants, f16, bf16: computed in the file's bytes by the existing C kernels, never copied to f32)
@@ -22,7 +26,8 @@ GGUF keys (llama.cpp's names; ``{arch}`` ``llama`` for Mixtral, ``qwen3moe``): `
 for ``llama``, ``feed_forward_length / expert_used_count`` for ``qwen3moe`` as llama.cpp derives it),
 ``expert_weights_norm`` (default true: llama.cpp's ``llama`` and ``qwen3moe`` graphs always renormalise;
 our converter writes false for a Qwen3-MoE config with ``norm_topk_prob: false``), ``expert_weights_scale``
-(0 or 1: none), ``expert_gating_func`` (absent or 1, softmax; others are refused). Every count and
+(0 or 1: none), ``expert_gating_func`` (absent or 1, softmax; 2, sigmoid, for ``smallthinker``, whose
+llama.cpp graph reads the key; others are refused). Every count and
 shape is checked against the tensors before any weight is loaded (:func:`experts_builder`).
 """
 from __future__ import annotations
