@@ -84,9 +84,13 @@ def test_metadata_and_tensor_types(fam):
     assert not any(name.startswith("blk.0.ffn_gate.") or name.startswith("blk.0.ffn_up.") for name in g.tensors)
     ffn = Transformer(g).layers[0].ffn
     assert isinstance(ffn, ExpertsFFN) and len(ffn.gate) == n and ffn.ea.n_used == k and ffn.ea.norm_w
-    assert all(isinstance(x, QWeight) and x.shape == (w, 64) for x in ffn.gate)  # views, no f32 copies
-    base = g.tensors["blk.0.ffn_gate_exps.weight"].data.ctypes.data
-    assert ffn.gate[1].raw.data_ptr() == base + ffn.gate[0].raw.nbytes  # expert 1's rows follow expert 0's in the map
+    row = g.tensors["blk.0.ffn_gate_exps.weight"].n_bytes // (n * w)  # Q4_0 bytes, no f32 copies:
+    assert all(isinstance(x, QWeight) and x.shape == (w, 64) and x.layout == "x8" and x.nbytes == w * row
+               for x in ffn.gate)  # each expert its own rows in 8-row groups, as dense matrices
+    g32 = open_gguf(fam.f32)
+    f32 = Transformer(g32).layers[0].ffn
+    base = g32.tensors["blk.0.ffn_gate_exps.weight"].data.ctypes.data
+    assert [x.data_ptr() for x in f32.gate] == [base + e * w * 64 * 4 for e in range(n)]  # f32: views of the map
 
 
 def test_logits_equal_transformers_prefill_and_decode(fam):

@@ -13,9 +13,10 @@ of the softmax when ``expert_gating_func`` is 2, ReLU instead of SiLU, and the r
 layer's input (``pre_attention``: the block sets ``router_in``) instead of ``x``.
 
 Only the routed experts are computed. Expert ``e``'s matrices are the contiguous rows ``e*F..(e+1)*F``
-(``e*D..`` for down) of the stacked tensor, so each is a :class:`QWeight` view of the memory map (Q4_0,
-Q8_0, K-quants, f16, bf16: computed in the file's bytes by the existing C kernels, never copied to f32)
-or a torch view (f32 files; every type with the torch backend, dequantized at load). Several tokens
+(``e*D..`` for down) of the stacked tensor, so each is a :class:`QWeight` of those rows (Q4_0, Q8_0,
+K-quants, f16, bf16: computed in the file's bytes by the existing C kernels, never copied to f32;
+block-quantized ones re-laid out in 8-row groups as dense matrices are, :func:`load_experts`) or a
+torch view (f32 files; every type with the torch backend, dequantized at load). Several tokens
 (a prompt, a batched decode step) are grouped by expert: each hit expert runs once on all the tokens
 routed to it, so its rows are read once per pass, and tokens sum their experts in expert order, so a
 token's output is the same whichever tokens share its pass (with row-layout QWeights, whose kernels
@@ -43,7 +44,7 @@ from ..quant.qweight import MAPPED_TYPES, QWeight
 from . import kernels
 from .args import ModelArgs
 from .kernels import linear
-from .weights import _NATIVE, load_tensor, mapped_rows, tensor_shape, weight_nbytes
+from .weights import _NATIVE, dense_layout, load_tensor, mapped_rows, tensor_shape, weight_nbytes
 
 GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX, _SIGMOID
 SIGMOID_ARCHS = ("smallthinker",)  # the architectures whose llama.cpp graph honours a sigmoid gate
@@ -122,14 +123,17 @@ def expected_shapes(i: int, n_embd: int, ea: ExpertArgs) -> dict[str, tuple[int,
 
 
 def load_experts(g: GGUFFile, name: str, dtype: torch.dtype, mapped: bool) -> list:
-    """The ``E`` matrices ``[R, C]`` of a stacked tensor ``[E, R, C]``: :class:`QWeight` row views of the
-    map when the kernels compute on its type (``mapped``), else torch views of one tensor in ``dtype``
+    """The ``E`` matrices ``[R, C]`` of a stacked tensor ``[E, R, C]``: when the kernels compute on its
+    type (``mapped``), :class:`QWeight` s of expert ``e``'s rows ``e*R..(e+1)*R`` of the map, each in the
+    layout dense products run fastest on (:func:`~.weights.dense_layout`: Q4_0/Q8_0/Q5_x/K-quants in
+    8-row groups, the same bytes copied once into anonymous memory and the mapped pages released, as
+    for every dense matrix; f16/bf16 stay views of the map); else torch views of one tensor in ``dtype``
     (a view of the map for f32, or bf16 computed in bf16; else one converted copy)."""
     E, R, C = tensor_shape(g, name)
     kind = g.tensors[name].tensor_type.name
     if mapped and kind in MAPPED_TYPES and _NATIVE.get(kind) != dtype:
         w = mapped_rows(g, name, E * R, C)
-        return [QWeight(w.raw[e * R:(e + 1) * R], w.btype, R, C) for e in range(E)]
+        return [dense_layout(g, [name], QWeight(w.raw[e * R:(e + 1) * R], w.btype, R, C)) for e in range(E)]
     return list(load_tensor(g, name, dtype).unbind(0))
 
 
@@ -164,8 +168,8 @@ class ExpertsFFN:
     @property
     def batch_shared(self) -> bool:
         """True when a batch of tokens may share one pass bit for bit with each token alone (every
-        expert matrix a row-layout QWeight, whose kernels compute each token by itself)."""
-        return all(isinstance(w, QWeight) and w.layout == "rows" for w in (*self.gate, *self.up, *self.down))
+        expert matrix a QWeight, whose kernels compute each token by itself)."""
+        return all(isinstance(w, QWeight) and w.layout in ("rows", "x8") for w in (*self.gate, *self.up, *self.down))
 
     def reset_stats(self) -> None:
         self.n_active = self.n_calls = 0
@@ -206,12 +210,17 @@ class ExpertsFFN:
             w, sel = self.route(xn)
         T = xn.shape[0]
         out = torch.zeros(T, xn.shape[1], dtype=torch.float32)
-        hit = torch.bincount(sel.view(-1), minlength=self.ea.n_expert)
-        for e in hit.nonzero().view(-1).tolist():  # ascending: every token sums its experts in one order
-            tok, slot = (sel == e).nonzero(as_tuple=True)
-            y = self.expert(e, xn[tok]).float() * w[tok, slot, None]
-            out.index_add_(0, tok, y)
-        self.expert_hits += hit
+        if T == 1:  # decode: the same sums in the same (ascending expert) order, less Python per step
+            es, slots = sel[0].sort()
+            for e, j in zip(es.tolist(), slots.tolist()):
+                out += self.expert(e, xn).float() * w[0, j]
+            self.expert_hits[es] += 1
+        else:
+            hit = torch.bincount(sel.view(-1), minlength=self.ea.n_expert)
+            for e in hit.nonzero().view(-1).tolist():  # ascending: every token sums its experts in one order
+                tok, slot = (sel == e).nonzero(as_tuple=True)
+                out.index_add_(0, tok, self.expert(e, xn[tok]).float() * w[tok, slot, None])
+            self.expert_hits += hit
         self.n_calls += T
         self.n_active += T * self.ea.n_used
         self.t_ffn += time.perf_counter() - t0
