@@ -22,14 +22,14 @@ N_LAYER = 3
 PROSPARSE_THRESHOLD = 0.3  # ProSparse-7B ships 0.01; larger here so FATReLU differs from ReLU at this scale
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Weights (2-D, and 3-D stacked experts) N(0, 0.2); 1-D parameters (norm weights, biases) around 1
+def _randomize(model: torch.nn.Module, seed: int, std: float = 0.2) -> None:
+    """Weights (2-D, and 3-D stacked experts) N(0, ``std``); 1-D parameters (norm weights, biases) around 1
     and 0 with spread 0.1."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+                p.copy_(torch.randn(p.shape, generator=g) * std)
             elif name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
             else:
@@ -182,9 +182,10 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 MISTRAL_WINDOW = 8  # shorter than the test prompt
 
 
-def _modern(cls_name: str, out_dir: Path, seed: int, **cfg_kw) -> Path:
+def _modern(cls_name: str, out_dir: Path, seed: int, weight_std: float = 0.2, **cfg_kw) -> Path:
     """A tiny random ``{cls_name}`` (vocab 512 with stories260K's SentencePiece tokenizer, n_embd 64,
-    n_ff 128, N_LAYER layers, 4 heads / 2 kv heads unless ``cfg_kw`` says otherwise) saved in HF layout."""
+    n_ff 128, N_LAYER layers, 4 heads / 2 kv heads unless ``cfg_kw`` says otherwise) saved in HF layout;
+    matrices N(0, ``weight_std``)."""
     import transformers
 
     kw = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=N_LAYER,
@@ -194,7 +195,7 @@ def _modern(cls_name: str, out_dir: Path, seed: int, **cfg_kw) -> Path:
     cfg = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))(**kw)
     torch.manual_seed(seed)
     model = getattr(transformers, cls_name)(cfg)
-    _randomize(model, seed)
+    _randomize(model, seed, weight_std)
     if cfg.tie_word_embeddings:
         model.tie_weights()
     _save(model, out_dir)
@@ -236,6 +237,12 @@ def make_mixtral(out_dir: Path, **kw) -> Path:
     """Mixtral 8x7B's layout shrunk: 4 experts of width 64, 2 per token, GQA 4/2, rope_theta 1e6, no window."""
     return _modern("MixtralForCausalLM", out_dir, 17, **{"num_local_experts": 4, "num_experts_per_tok": 2,
                    "intermediate_size": 64, "rope_theta": 1000000.0, "sliding_window": None, **kw})
+
+
+def make_mixtral_kquant(out_dir: Path) -> Path:
+    """A Mixtral wide enough for llama.cpp's K-quants (n_embd 256, 4 experts of width 256, 2 per token,
+    2 layers; weights N(0, 0.05), so the 256-wide products do not blow the activations up)."""
+    return make_mixtral(out_dir, hidden_size=256, intermediate_size=256, num_hidden_layers=2, weight_std=0.05)
 
 
 def make_qwen3moe(out_dir: Path, **kw) -> Path:
