@@ -246,13 +246,20 @@ def _set(key: str, vtype: int, value):
      r"mixture-of-experts tensors but no llama.expert_used_count"),
     ("mixtral", _set("llama.feed_forward_length", U32, 96), r"ffn_gate_exps.weight' has shape \[4, 64, 64\], .*width 96"),
     ("qwen3moe", _set("qwen3moe.expert_feed_forward_length", U32, 64), r"the expert width 64"),
-    ("qwen3moe", _set("qwen3moe.expert_gating_func", U32, 2), r"qwen3moe.expert_gating_func = 2: only softmax"),
+    ("qwen3moe", _set("qwen3moe.expert_gating_func", U32, 2),
+     r"qwen3moe.expert_gating_func = 2: the qwen3moe gating supported is softmax \(1\)$"),
     ("qwen3moe", _set("qwen3moe.expert_weights_norm", U32, 1), r"expert_weights_norm = 1 is not a bool"),
 ])
 def test_bad_expert_metadata_is_one_line_before_loading(tmp_path, name, edit, msg):
     p = _edited(tmp_path, name, edit)
     with pytest.raises(PowerInferError, match=f"^{re.escape(p)}: .*{msg}"):
         Transformer(open_gguf(p))
+
+
+def test_smallthinker_gating_outside_softmax_and_sigmoid_is_refused(tmp_path):
+    p = _edited(tmp_path, "smallthinker", _set("smallthinker.expert_gating_func", U32, 4))
+    with pytest.raises(PowerInferError, match=r"= 4: the smallthinker gating supported is softmax \(1\) or sigmoid \(2\)$"):
+        load_model(p, "f32")
 
 
 def test_expert_keys_are_read_as_written(tmp_path):
