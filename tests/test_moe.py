@@ -425,3 +425,13 @@ def test_smallthinker_with_predictors_is_refused(smallthinker, tmp_path):
     """SmallThinker is ReLU, but its neurons belong to experts: pi-convert with a predictor folder refuses."""
     with pytest.raises(PowerInferError, match="mixture-of-experts model: predictor"):
         convert(smallthinker.dir, tmp_path / "m.gguf", tmp_path / "no-predictors", progress=False)
+
+
+def test_pi_run_names_the_experts():
+    """pi-run's summary says the FFN runs k of E experts (not "dense")."""
+    from powerinfer.runtime.cli import main as run_main
+
+    r = CliRunner().invoke(run_main, ["-m", str(need(LLAMACPP / "qwen3moe.gguf")), "-p", "Once upon a time", "-n", "4",
+                                      "--temp", "0", "--dtype", "f32"])
+    assert r.exit_code == 0, r.output
+    assert "(qwen3moe, experts 3 of 8, float32," in r.output

@@ -171,6 +171,10 @@ class ExpertsFFN:
         expert matrix a QWeight, whose kernels compute each token by itself)."""
         return all(isinstance(w, QWeight) and w.layout in ("rows", "x8") for w in (*self.gate, *self.up, *self.down))
 
+    @property
+    def mode(self) -> str:
+        return f"experts {self.ea.n_used} of {self.ea.n_expert}"
+
     def reset_stats(self) -> None:
         self.n_active = self.n_calls = 0
         self.t_ffn = self.t_predict = 0.0
