@@ -66,7 +66,9 @@ def fam(request, tmp_path_factory):
     return SimpleNamespace(name=name, dir=d, ref=ref, tmp=tmp,
                            f32=convert(d, tmp / "m.gguf", outtype="f32", progress=False),
                            q4=convert(d, tmp / "m-q4_0.gguf", outtype="q4_0", progress=False),
-                           q8=convert(d, tmp / "m-q8_0.gguf", outtype="q8_0", progress=False))
+                           q8=convert(d, tmp / "m-q8_0.gguf", outtype="q8_0", progress=False),
+                           f16=convert(d, tmp / "m-f16.gguf", outtype="f16", progress=False),
+                           bf16=convert(d, tmp / "m-bf16.gguf", outtype="bf16", progress=False))
 
 
 # --------------------------------------------------------------------------- Hugging Face -> ours
@@ -133,11 +135,13 @@ def test_batched_decode_equals_each_sequence_alone(fam, which):
     assert dec._dense_shared(model.layers[0]) == (which != "f32")
 
 
-@pytest.mark.parametrize("which", ["q4", "q8"])
-def test_quantized_experts_equal_dequantized_reference(fam, which):
-    """One layer's MoE output on 5 tokens, computed on the Q4_0/Q8_0 bytes, equals the same routing
-    over experts dequantized by gguf (activations rounded to 8 bits as the kernels round them)."""
+@pytest.mark.parametrize("which, btype", [("q4", "Q4_0"), ("q8", "Q8_0"), ("f16", "F16"), ("bf16", "BF16")])
+def test_quantized_experts_equal_dequantized_reference(fam, which, btype):
+    """One layer's MoE output on 5 tokens, computed on the Q4_0/Q8_0/F16/BF16 bytes (f32 compute), equals
+    the same routing over experts dequantized by gguf (activations rounded to 8 bits as the kernels
+    round them for Q4_0/Q8_0)."""
     ffn = Transformer(open_gguf(getattr(fam, which))).layers[1].ffn
+    assert {w.btype.name for w in (*ffn.gate, *ffn.up, *ffn.down)} == {btype}
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
     got = ffn(x, x)
     w, sel = ffn.route(x)
