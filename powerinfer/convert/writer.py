@@ -56,6 +56,8 @@ from ..formats.gguf_file import PWRI_BYTES, set_magic
 from ..formats.predictor import LayerPredictor, check_sparse_threshold, load_predictor_dir, read_predictor_config
 from ..hf import check_model
 from ..progress import progress as progress_bar
+from ..families.experts import expert_counts
+from .experts import expert_index, plan_stacks
 from .outfile import check_outfile
 from .hf_tensors import HFTensors
 from .own_predictors import PREDICTOR, THRESHOLD as OWN_THRESHOLD, OwnPredictors, find_own_predictors
@@ -115,6 +117,7 @@ def _plan(family: Family, cfg: dict, dims: dict, tensors: HFTensors, sparse: boo
         "qkv_jploski": lambda t: falcon_qkv_jploski(t, n_head, n_head_kv),
     }
     by_name: dict[str, PlannedTensor] = {}
+    experts: dict[str, dict[int, str]] = {}  # stacked expert tensor -> {expert: checkpoint name}
     for name in tensors.names():
         if name.endswith(_SKIP_SUFFIXES):
             continue
@@ -125,6 +128,9 @@ def _plan(family: Family, cfg: dict, dims: dict, tensors: HFTensors, sparse: boo
         gname, tr = hit
         if gname is None or (tr == PREDICTOR and own is None):  # a tied copy upstream does not store, or
             continue  # the checkpoint's own predictor when the file takes a folder's (or none)
+        if tr == "expert":  # one matrix of a 3-D expert stack (convert/experts.py)
+            experts.setdefault(gname, {})[expert_index(name)] = name
+            continue
         shape = tensors.shape(name)
         if tr == "down" and sparse:
             gname = gname.replace(".ffn_down.", ".ffn_down_t.")
@@ -134,6 +140,10 @@ def _plan(family: Family, cfg: dict, dims: dict, tensors: HFTensors, sparse: boo
         load = (lambda n=name: own.load(tensors, n)) if tr == PREDICTOR else \
             (lambda n=name, f=transforms[tr]: f(tensors.get(n)))
         by_name[gname] = PlannedTensor(gname, shape, load)
+    if experts:
+        n_expert = expert_counts(cfg, src / "config.json")[0]
+        for gname, (shape, load) in plan_stacks(experts, tensors.shape, tensors.get, n_expert, src).items():
+            by_name[gname] = PlannedTensor(gname, shape, load)
     expected = family.expected_gguf_tensors(dims["n_layer"], sparse)
     # Tied embeddings: the upstream loader wants an explicit output.weight; llama.cpp's reuses token_embd.
     tied = "output.weight" not in by_name and "output.weight" in expected
@@ -253,6 +263,9 @@ def convert(model_dir: str | Path, outfile: str | Path, pred_dir: str | Path | N
     sparse = pred_dir is not None or own is not None
     predictors = None
     if sparse:
+        if family.experts:
+            raise PowerInferError(f"{model_dir / 'config.json'}: {family.name} is a mixture-of-experts model: "
+                                  "predictor (PowerInfer) files of experts are not supported; convert without predictors")
         if not act.is_sparse:
             raise PowerInferError(f"{model_dir / 'config.json'}: activation {act.kind!r} is not ReLU-family, so its FFN "
                                   "has no sparsity to predict; convert without predictors for a dense GGUF" + act.note)

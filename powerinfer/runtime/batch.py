@@ -73,6 +73,9 @@ def check_batchable(model: Transformer) -> None:
                               "run them with -np 1")
     if model.placement is not None:
         raise PowerInferError("several sequences at once (-np > 1) do not run with GPU offload (--vram-budget) yet")
+    if getattr(model, "per_layer_attention", False):
+        raise PowerInferError("several sequences at once (-np > 1) do not run SmallThinker files yet (per-layer RoPE "
+                              "and window, pre-attention router): run them with -np 1")
     if getattr(model, "residency", None) is not None:
         raise PowerInferError("several sequences at once (-np > 1) do not run under a RAM budget (--ram-budget) yet: "
                               "the batched steps read every sequence's FFN rows from full matrices")
@@ -272,8 +275,11 @@ class BatchDecoder:
         return out
 
     def _dense_shared(self, layer: Layer) -> bool:
-        """A dense FFN whose three products can take the batch in one call each."""
+        """A dense FFN whose three products can take the batch in one call each (a mixture of experts,
+        :mod:`.moe`: the union of the experts the batch's tokens route to, each run once on its tokens)."""
         f = layer.ffn
+        if hasattr(f, "batch_shared"):
+            return self.model.mask_fn is None and f.batch_shared
         return (not f.sparse and self.model.mask_fn is None and _shared([w for w in (f.gate, f.up) if w is not None])
                 and isinstance(f.down_t, QWeight) and f.down_t.transposed and _shared(f.down_t.T))
 

@@ -122,6 +122,12 @@ def count_fired(model: Transformer, on: bool = True) -> None:
             layer.ffn.count_fired = on
 
 
+def ffn_mode(model: Transformer) -> str:
+    """How the model's FFNs run, for the front ends' banners: ``dense``, ``sparse`` (predictors) or, for a
+    mixture of experts, ``experts k of E`` (:attr:`.moe.ExpertsFFN.mode`)."""
+    return getattr(model.layers[0].ffn, "mode", None) or ("dense" if model.dense else "sparse")
+
+
 def ffn_counters(model: Transformer) -> tuple[float, float, int, int, int]:
     """``(t_ffn, t_predict, n_active, n_calls, n_fired)`` summed over the model's FFNs."""
     ffns = [layer.ffn for layer in model.layers]
@@ -145,6 +151,9 @@ def decode_bytes_per_token(model: Transformer, active_share: float | None = None
         f = layer.ffn
         for w in (layer.wqkv, layer.wo):
             n += weight_nbytes(w)
+        if hasattr(f, "decode_bytes"):  # a mixture of experts (moe.py): the router and k of the experts
+            n += f.decode_bytes()
+            continue
         parts = [f] if hasattr(f, "up") else [p for p in (f.cpu, f.gpu) if p is not None]  # HybridFFN: both sides
         def rows_of(*names: str) -> float:
             return sum(weight_nbytes(w) for p in parts for w in (getattr(p, k) for k in names) if w is not None)
