@@ -21,9 +21,13 @@ kept rows once per token instead: slower for a prompt whenever more than ``1 / T
 are kept (always, at the sparsities TEAL uses).
 
 ``dense=True`` runs every product on all inputs (the same weights: ``pi-perplexity --compare``'s
-dense side, and calibration on a dense file). Activations are not quantized: block-quantized
-``W^T`` rows are dequantized in registers and scaled by the fp32 ``x_j``, so the reference of a
-sparse product is ``(x * (|x| >= t)) @ dequant(W^T)``.
+dense side, and calibration on a dense file). One token on Q4_0/Q8_0 ``W^T`` (C kernels) runs
+:func:`kernels.rows_axpy_sparse`: integer products, the coefficients ``x_j * d`` (``d`` a row's block
+scale) rounded to int8 (Q4_0) or int16 (Q8_0) with one scale per 32 kept rows and output block, as a
+dense Q4_0/Q8_0 product rounds its activation (the rule and its error bound: ``qkernels.c``,
+``pi_q_axpy_sparse``). Other types (and prompts, and the torch backend) are not rounded: rows are
+dequantized and scaled by the fp32 ``x_j``, so the reference of those products is
+``(x * (|x| >= t)) @ dequant(W^T)``.
 
 Not supported (PowerInferError at load): PWRI files, fused ``attn_qkv``, families whose FFN is not
 gated or whose activation is not SiLU/GELU, ``--ram-budget``, ``--vram-budget``, batched decoding.
@@ -111,7 +115,9 @@ class InputSparseLinear:
             return linear(x, self.w, self.bias)
         thr = 0.0 if dense else self.threshold
         ws = self.w if isinstance(self.w, list) else [self.w]
-        if T == 1:
+        if T == 1 and all(kernels.axpy_sparse_ok(w) for w in ws):
+            y = self._decode_int(x[0], ws, thr)
+        elif T == 1:
             x0 = x[0]
             idx = torch.arange(x0.numel()) if dense else (x0.abs() >= thr).nonzero().view(-1)
             self.n_in += x0.numel()
@@ -126,6 +132,21 @@ class InputSparseLinear:
             y = torch.cat([_rows_matmul(xm, w) for w in ws], dim=-1)
         y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+
+    def _decode_int(self, x0: torch.Tensor, ws: list, thr: float) -> torch.Tensor:
+        """One token on Q4_0/Q8_0 ``W^T`` parts: :func:`kernels.rows_axpy_sparse` (selection and integer
+        AXPY in C) -> ``[1, N]`` fp32. ``thr`` is compared as torch compares ``x``'s dtype with it."""
+        if x0.dtype != torch.float32:
+            thr = float(torch.tensor(thr, dtype=x0.dtype))  # x.abs() >= thr rounds thr to x's dtype
+        x0 = x0.float()
+        parts = []
+        for w in ws:
+            y, kept = kernels.rows_axpy_sparse(x0, w, thr)
+            parts.append(y)
+        self.n_in += x0.numel()
+        self.n_kept += kept
+        return (parts[0] if len(parts) == 1 else torch.cat(parts))[None]
 
 
 def _rows_matmul(x: torch.Tensor, wt) -> torch.Tensor:
