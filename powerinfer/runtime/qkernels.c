@@ -1092,8 +1092,8 @@ static inline int axq_oct(float v, uint32_t emax) {
 }
 
 /* One group's coefficients for blocks [b0, b0 + nb): sc[k] = s, sum8[k] = 8 * sum(qc) (Q4_0), and
- * tab[p * AXCB + k] the pair p's two coefficients (Q4_0: byte 0 row 2p, byte 1 row 2p+1, in a
- * uint16; Q8_0: the two int16 in a uint32). n rows (even), rows[j] point at row starts. */
+ * tab[p * AXCB + k] (uint32) the pair p's two coefficients (Q4_0: bytes row 2p, row 2p+1, twice;
+ * Q8_0: the two int16), a 32-bit broadcast in axq_mac. n rows (even), rows[j] at row starts. */
 static void axq_coefs(int qt, const uint8_t *const *rows, const float *xs, int n, int64_t b0, int nb, float *sc,
                       int16_t *sum8, void *tab, float *cbuf) {
     const int64_t bb = block_bytes(qt);
@@ -1134,7 +1134,7 @@ static void axq_coefs(int qt, const uint8_t *const *rows, const float *xs, int n
         inv[k] = sc[k] > 0.f ? 1.f / sc[k] : 0.f;
     }
     if (qt == QT_Q4_0) {
-        uint16_t *t = tab;
+        uint32_t *t = tab;
         int32_t sum[AXCB];
         for (int k = 0; k < nb; k++) sum[k] = 0;
         for (int p = 0; p < n / 2; p++) {
@@ -1147,15 +1147,15 @@ static void axq_coefs(int qt, const uint8_t *const *rows, const float *xs, int n
                 const __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(c2 + k), iv));
                 const __m256i w = _mm256_or_si256(_mm256_and_si256(q1, _mm256_set1_epi32(0xff)),
                                                   _mm256_slli_epi32(_mm256_and_si256(q2, _mm256_set1_epi32(0xff)), 8));
-                const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packus_epi32(w, w), 0x08);
-                _mm_storeu_si128((__m128i *)(t + p * AXCB + k), _mm256_castsi256_si128(w16));
+                _mm256_storeu_si256((__m256i *)(t + p * AXCB + k), _mm256_or_si256(w, _mm256_slli_epi32(w, 16)));
                 _mm256_storeu_si256((__m256i *)(sum + k),
                                     _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(sum + k)), _mm256_add_epi32(q1, q2)));
             }
 #endif
             for (; k < nb; k++) {
                 const int32_t q1 = (int32_t)nearbyintf(c1[k] * inv[k]), q2 = (int32_t)nearbyintf(c2[k] * inv[k]);
-                t[p * AXCB + k] = (uint16_t)((q1 & 0xff) | (q2 & 0xff) << 8);
+                const uint32_t w = (uint32_t)((q1 & 0xff) | (q2 & 0xff) << 8);
+                t[p * AXCB + k] = w | w << 16;
                 sum[k] += q1 + q2;
             }
         }
@@ -1208,32 +1208,46 @@ static void axq_mac(int qt, const uint8_t *const *rows, int n, int64_t b0, int n
     int k = 0;
 #ifdef PI_AVX2
     if (qt == QT_Q4_0) {
-        const uint16_t *t = tab;
+        const uint32_t *t = tab;
         const __m256i m4 = _mm256_set1_epi8(0x0f);
-        for (; k < nb; k++) {
+        for (; k < nb; k += 2) {  /* two blocks at a time (the second skipped past nb): rows loaded once */
             axq_prefetch(ahead);
-            const int64_t off = (b0 + k) * 18 + 2;
-            __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+            const int two = k + 1 < nb;
+            const int64_t off = (b0 + k) * 18 + 2, off1 = two ? off + 18 : off;
+            __m256i acc[4];
+            __m256i l0 = _mm256_setzero_si256(), h0 = l0, l1 = l0, h1 = l0;  /* registers, not acc[] */
             for (int p = 0; p < n / 2; p++) {
-                const __m256i a = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(rows[2 * p] + off)));
-                const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(rows[2 * p + 1] + off)));
-                const __m256i w = _mm256_or_si256(a, _mm256_slli_epi16(b, 8));
-                const __m256i cp = _mm256_set1_epi16((short)t[p * AXCB + k]);
-                lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(_mm256_and_si256(w, m4), cp));
-                hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), m4), cp));
+                const uint8_t *r1 = rows[2 * p], *r2 = rows[2 * p + 1];
+                const uint32_t *tp = t + p * AXCB + k;
+#define AXQ_PAIR4(o, c, lo, hi)                                                                                        \
+    do {                                                                                                               \
+        const __m256i t1 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(r1 + (o))));                 \
+        const __m256i t2 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(r2 + (o))));                 \
+        /* word i = (row 1 byte i, row 2 byte i): both rows' value i (low nibble), i + 16 (high) */                    \
+        const __m256i w = _mm256_blend_epi32(_mm256_unpacklo_epi8(t1, t2), _mm256_unpackhi_epi8(t1, t2), 0xF0);       \
+        const __m256i cp = _mm256_set1_epi32((int)(c));                                                                \
+        lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(_mm256_and_si256(w, m4), cp));                                  \
+        hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), m4), cp));            \
+    } while (0)
+                AXQ_PAIR4(off, tp[0], l0, h0);
+                AXQ_PAIR4(off1, tp[1], l1, h1);
+#undef AXQ_PAIR4
             }
-            const __m256i o8 = _mm256_set1_epi16(sum8[k]);
-            lo = _mm256_sub_epi16(lo, o8);
-            hi = _mm256_sub_epi16(hi, o8);
-            const __m256 s = _mm256_set1_ps(sc[k]);
-            float *o = out + k * QK;
-            const __m256i v[4] = {_mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo)),
-                                  _mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo, 1)),
-                                  _mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi)),
-                                  _mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi, 1))};
-            for (int i = 0; i < 4; i++)
-                _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(v[i]), _mm256_loadu_ps(o + 8 * i)));
+            acc[0] = l0, acc[1] = h0, acc[2] = l1, acc[3] = h1;
+            for (int e = 0; e <= two; e++) {
+                const __m256i o8 = _mm256_set1_epi16(sum8[k + e]);
+                const __m256i lo = _mm256_sub_epi16(acc[2 * e], o8), hi = _mm256_sub_epi16(acc[2 * e + 1], o8);
+                const __m256 s = _mm256_set1_ps(sc[k + e]);
+                float *o = out + (k + e) * QK;
+                const __m256i v[4] = {_mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo)),
+                                      _mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo, 1)),
+                                      _mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi)),
+                                      _mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi, 1))};
+                for (int i = 0; i < 4; i++)
+                    _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(v[i]), _mm256_loadu_ps(o + 8 * i)));
+            }
         }
+        k = nb;
     } else {
         const uint32_t *t = tab;
         for (; k < nb; k++) {
@@ -1272,7 +1286,7 @@ static void axq_mac(int qt, const uint8_t *const *rows, int n, int64_t b0, int n
                 const uint8_t *q = rows[2 * p + e] + off;
                 int32_t c;
                 if (qt == QT_Q4_0) {
-                    const uint16_t w = ((const uint16_t *)tab)[p * AXCB + k];
+                    const uint16_t w = (uint16_t)((const uint32_t *)tab)[p * AXCB + k];
                     c = (int8_t)(e ? w >> 8 : w & 0xff);
                     for (int i = 0; i < 16; i++) {
                         isum[i] += c * ((q[i] & 15) - 8);
@@ -1319,7 +1333,8 @@ static void axq_slice(int qt, const uint8_t *const *rows, const float *xs, int64
                 ahead.n = (int)(m - ng0 < AXG ? m - ng0 : AXG);
                 ahead.off = ahead.p0 = nc0 * bb;
                 ahead.p1 = (nc0 + nnb) * bb;
-                ahead.per = (int)(((ahead.p1 - ahead.p0 + 63) / 64 * ahead.n + nb - 1) / nb);
+                const int steps = qt == QT_Q4_0 ? (nb + 1) / 2 : nb;  /* axq_mac's block steps */
+                ahead.per = (int)(((ahead.p1 - ahead.p0 + 63) / 64 * ahead.n + steps - 1) / steps);
             }
             axq_coefs(qt, gr, gx, n, c0, nb, sc, sum8, tab, cbuf);
             axq_mac(qt, gr, n, c0, nb, sc, sum8, tab, out + (c0 - b0) * QK, &ahead);
