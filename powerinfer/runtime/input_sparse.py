@@ -48,7 +48,7 @@ from . import kernels
 from .args import ModelArgs
 from .kernels import linear
 from .model import Layer, Norm, Transformer, load_head_norm, load_norm, _maybe
-from .weights import _release, dense_layout, load_matrix, stack_rows, tensor_shape
+from .weights import _release, dense_layout, empty, load_matrix, stack_rows, tensor_shape
 
 DENSE_ACTS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh")
 
@@ -65,12 +65,18 @@ def check_family(a: ModelArgs, path: str) -> None:
 
 def _hcat(parts: list):
     """Matrices ``[K, N_i]`` (torch order) joined along their outputs -> ``[K, sum N_i]``: one QWeight
-    (same type: each row's blocks one after the other) or tensor; the list when types differ."""
+    (same type: each row's blocks one after the other) or tensor; the list when types differ. A QWeight
+    result (one part or several) is a copy in huge-page-advised memory (:func:`weights.empty`): the AXPY
+    reads a few blocks from each of many rows, and 4 KiB pages of the file's map cost a TLB miss each."""
+    if all(isinstance(p, QWeight) and p.btype == parts[0].btype and p.layout == "rows" for p in parts):
+        raw = empty((parts[0].raw.shape[0], sum(p.raw.shape[1] for p in parts)), torch.uint8)
+        c = 0
+        for p in parts:
+            raw[:, c:c + p.raw.shape[1]].copy_(p.raw)
+            c += p.raw.shape[1]
+        return QWeight(raw, parts[0].btype, parts[0].n_rows, sum(p.n_cols for p in parts))
     if len(parts) == 1:
         return parts[0]
-    if all(isinstance(p, QWeight) and p.btype == parts[0].btype and p.layout == "rows" for p in parts):
-        raw = torch.cat([p.raw for p in parts], dim=1)
-        return QWeight(raw, parts[0].btype, parts[0].n_rows, sum(p.n_cols for p in parts))
     if all(isinstance(p, torch.Tensor) and p.dtype == parts[0].dtype for p in parts):
         return torch.cat(parts, dim=1)
     return parts
@@ -236,7 +242,8 @@ def _load_product(g: GGUFFile, i: int, kind: str, thr: float, a: ModelArgs, dtyp
     else:
         w = [dense_layout(g, [n], p) if isinstance(p, QWeight) else p for n, p in zip(stored, parts)]
         w = w[0] if len(w) == 1 else w
-    if len(parts) > 1 and (sparse or isinstance(w, torch.Tensor)) and not isinstance(w, list):
+    if (len(parts) > 1 or isinstance(w, QWeight) and sparse) and (sparse or isinstance(w, torch.Tensor)) \
+            and not isinstance(w, list):
         del parts  # joined into a copy: the mapped pages are dropped
         for name in stored:
             _release(g, g.tensors[name])

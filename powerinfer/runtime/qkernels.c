@@ -1080,7 +1080,9 @@ int pi_q_axpy_rows(int qt, const void *W, const int64_t *idx, const float *coef,
 
 static inline int axq_qmax(int qt) { return qt == QT_Q4_0 ? 127 : 32767; }
 
+#ifndef AXQ_OCT
 #define AXQ_OCT 16 /* octaves of |x| the kept rows are ordered by (the last one takes all smaller) */
+#endif
 static inline uint32_t axq_exp(float v) {
     uint32_t u;
     memcpy(&u, &v, 4);
