@@ -284,6 +284,44 @@ def llama3(args) -> None:
         print(cpu_time_table([(name, "q4_0", args.depth, f) for name, f, _ in rows], engines, args.n, args.timeout))
 
 
+def llama3_inproc(args) -> None:
+    """``llama3 --inproc``: dense and TEAL 0/40/50% loaded in this process, decode steps interleaved one token at
+    a time (order rotating), each step timed in wall seconds and in this process's CPU seconds (1 thread: CPU
+    time is what preemption by other processes does not inflate); tok/s = steps / summed seconds."""
+    from powerinfer.runtime.loading import load_model
+
+    d = Path(args.dir)
+    torch.set_num_threads(int(args.threads.split(",")[0]))
+    files = {"pi-run dense": d / f"l{args.depth}" / "pi-q4_0.gguf",
+             **{f"pi-run TEAL {int(100 * s)}%": f for s, f in teal_8b_files(d, args.depth).items()}}
+    models = {k: load_model(str(f), n_ctx=args.n * args.rounds + 16)[0] for k, f in files.items()}
+    wall = {k: 0.0 for k in models}
+    cpu = {k: 0.0 for k in models}
+    names = list(models)
+    tok = torch.tensor([5])
+    with torch.inference_mode():
+        for m in models.values():
+            m.forward(torch.tensor([1]), 0)  # warm
+        steps = args.n * args.rounds
+        for p in range(1, steps + 1):
+            for k in names[p % len(names):] + names[:p % len(names)]:
+                t0, c0 = time.perf_counter(), time.process_time()
+                models[k].forward(tok, p)
+                wall[k] += time.perf_counter() - t0
+                cpu[k] += time.process_time() - c0
+    print(f"\nLlama-3-8B shape, Q4_0, {args.depth} layers, {torch.get_num_threads()} thread(s), one process, {steps} "
+          f"decode steps per engine interleaved; load average {os.getloadavg()[0]:.1f}")
+    print("| engine | tok/s (wall) | vs dense | tok per CPU-s | vs dense |")
+    print("|---|--:|--:|--:|--:|")
+    bw, bc = steps / wall["pi-run dense"], steps / cpu["pi-run dense"]
+    for k in names:
+        print(f"| {k} | {steps / wall[k]:.2f} | {steps / wall[k] / bw:.2f}x | {steps / cpu[k]:.2f} | "
+              f"{steps / cpu[k] / bc:.2f}x |")
+    for k in names[2:]:
+        sp = models[k].sparsity_by_kind()
+        print(f"{k} reached: " + ", ".join(f"{kind} {100 * v:.0f}%" for kind, v in sp.items()))
+
+
 def med_tps(rs) -> float | None:
     return statistics.median(x.decode_tps for x in rs) if rs else None
 
@@ -312,7 +350,12 @@ def main(argv=None) -> None:
     b.add_argument("-n", type=int, default=32, help="decode tokens per run")
     b.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     b.add_argument("--cpu-time", action="store_true", help="also decode tokens per CPU-second at 1 thread")
+    b.add_argument("--inproc", action="store_true",
+                   help="instead: ours only, every file in this process, steps interleaved, wall and CPU time")
     args = ap.parse_args(argv)
+    if args.cmd == "llama3" and args.inproc:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        return llama3_inproc(args)
     {"ppl": ppl, "speed": speed, "llama3": llama3}[args.cmd](args)
 
 
