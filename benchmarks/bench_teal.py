@@ -19,12 +19,16 @@
    process (``bench_llama3.py``'s engines: our kernels AVX2-only, ``-march=haswell``, f32 compute; peak RSS
    by ``wait4``), engines interleaved in rounds (order rotating), per thread count; the table gives medians,
    ratios to dense pi-run and to llama.cpp, and peak RSS / file. ``--cpu-time`` adds decode tokens per
-   CPU-second at 1 thread (what other processes on the machine barely change).
+   CPU-second at 1 thread (bench_llama3.py's difference of two runs: noisy where loading varies).
+   ``--inproc`` instead loads the dense file and the TEAL files of ``--levels`` in this one process and
+   interleaves them one decode step at a time, timing wall and CPU seconds (the steadier figure on a
+   shared machine; 32 layers: ~4.8 GB of memory per file).
 
     python benchmarks/bench_teal.py ppl --greedy
     python benchmarks/bench_teal.py speed --out out/teal7b --threads 1 --rounds 3 [--type f16]
     python benchmarks/bench_teal.py llama3 /work/benchdata/llama3 --llama-bench LLAMA/bin/llama-bench \
         --depth 32 --threads 1,2 --rounds 2 -n 32
+    python benchmarks/bench_teal.py llama3 /work/benchdata/llama3 --depth 4 --inproc --threads 1 -n 12 --rounds 3
 """
 from __future__ import annotations
 
@@ -292,9 +296,16 @@ def llama3_inproc(args) -> None:
 
     d = Path(args.dir)
     torch.set_num_threads(int(args.threads.split(",")[0]))
+    levels = {float(v) / 100 for v in args.levels.split(",")}
     files = {"pi-run dense": d / f"l{args.depth}" / "pi-q4_0.gguf",
-             **{f"pi-run TEAL {int(100 * s)}%": f for s, f in teal_8b_files(d, args.depth).items()}}
+             **{f"pi-run TEAL {int(100 * s)}%": f for s, f in teal_8b_files(d, args.depth).items() if s in levels}}
     models = {k: load_model(str(f), n_ctx=args.n * args.rounds + 16)[0] for k, f in files.items()}
+    from powerinfer.runtime import kernels
+
+    int_ok = kernels.axpy_sparse_ok
+    if args.fp32:  # the same TEAL models again with the integer kernel off (fp32 AXPY): its gain
+        models.update({f"{k}, fp32 AXPY": m for k, m in list(models.items())
+                       if "TEAL" in k and not k.endswith(" 0%")})
     wall = {k: 0.0 for k in models}
     cpu = {k: 0.0 for k in models}
     names = list(models)
@@ -305,10 +316,12 @@ def llama3_inproc(args) -> None:
         steps = args.n * args.rounds
         for p in range(1, steps + 1):
             for k in names[p % len(names):] + names[:p % len(names)]:
+                kernels.axpy_sparse_ok = (lambda w: False) if k.endswith("fp32 AXPY") else int_ok
                 t0, c0 = time.perf_counter(), time.process_time()
-                models[k].forward(tok, p)
+                models[k].forward(tok, p)  # an fp32 twin rewrites its model's cache at p: the same inputs
                 wall[k] += time.perf_counter() - t0
                 cpu[k] += time.process_time() - c0
+    kernels.axpy_sparse_ok = int_ok
     print(f"\nLlama-3-8B shape, Q4_0, {args.depth} layers, {torch.get_num_threads()} thread(s), one process, {steps} "
           f"decode steps per engine interleaved; load average {os.getloadavg()[0]:.1f}")
     print("| engine | tok/s (wall) | vs dense | tok per CPU-s | vs dense |")
@@ -317,7 +330,9 @@ def llama3_inproc(args) -> None:
     for k in names:
         print(f"| {k} | {steps / wall[k]:.2f} | {steps / wall[k] / bw:.2f}x | {steps / cpu[k]:.2f} | "
               f"{steps / cpu[k] / bc:.2f}x |")
-    for k in names[2:]:
+    for k in names:
+        if k.endswith("fp32 AXPY") or not hasattr(models[k], "sparsity_by_kind") or models[k].teal is None or models[k].teal.sparsity == 0:
+            continue
         sp = models[k].sparsity_by_kind()
         print(f"{k} reached: " + ", ".join(f"{kind} {100 * v:.0f}%" for kind, v in sp.items()))
 
@@ -352,6 +367,8 @@ def main(argv=None) -> None:
     b.add_argument("--cpu-time", action="store_true", help="also decode tokens per CPU-second at 1 thread")
     b.add_argument("--inproc", action="store_true",
                    help="instead: ours only, every file in this process, steps interleaved, wall and CPU time")
+    b.add_argument("--levels", default="0,40,50", help="--inproc: the TEAL files loaded (32 layers: ~4.8 GB each)")
+    b.add_argument("--fp32", action="store_true", help="--inproc: also each TEAL file with the fp32 AXPY (no integer kernel)")
     args = ap.parse_args(argv)
     if args.cmd == "llama3" and args.inproc:
         sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -6,8 +6,9 @@ Every product ``y = W x`` of a block whose input threshold ``t`` is > 0 (the fil
 
     ``y = sum over j with |x_j| >= t of x_j * W^T[j]``
 
-with :func:`kernels.rows_axpy` (``pi_q_axpy_rows``/``pi_axpy_rows``: Q4_0, Q8_0, Q4_K, Q6_K, f16,
-bf16 and f32 rows, fp32 sums); the rows of the zeroed inputs are never read. The four inputs of
+with :func:`kernels.rows_axpy_sparse` (Q4_0 and Q8_0 rows, C kernels: selection and integer products in
+``pi_q_axpy_sparse``) or :func:`kernels.rows_axpy` (``pi_q_axpy_rows``/``pi_axpy_rows``: Q4_K, Q6_K, f16,
+bf16 and f32 rows, and the torch backend; fp32 sums); the rows of the zeroed inputs are never read. The four inputs of
 a block (:data:`~powerinfer.formats.teal.KINDS`) are the normed attention input (q, k and v: their
 ``W^T`` concatenated along the outputs, one AXPY pass), the heads' output (``attn_output``),
 the normed FFN input (gate and up, concatenated) and the gated activation ``act(gate) * up``
