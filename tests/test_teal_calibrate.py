@@ -372,3 +372,36 @@ def test_gguf_without_thresholds_with_sparse_flags(flag, tmp_path):
     (tmp_path / "ev.txt").write_text(CAL)
     _fails(ppl_main, ["-m", STORIES_GGUF, "-f", tmp_path / "ev.txt", flag], STORIES_GGUF, "no TEAL thresholds",
            flag, "pi-sparsify")
+
+
+def test_wina_q8_0_decode_uses_the_weighted_mask(wina_file, tmp_path):
+    """A Q8_0 WINA file's one-token products (the integer AXPY, whose C selection compares |x| alone) keep
+    the inputs ``|x| c >= t`` picks: equal to ``(x * keep) @ dequant(W^T)`` within the kernel's int16
+    coefficient rounding (1e-3 relative), far from the plain-|x| selection's result."""
+    from powerinfer.quant.qweight import QWeight
+    from powerinfer.runtime.input_sparse import TealTransformer
+
+    dense, _, _ = wina_file
+    q8 = tmp_path / "w-q8_0.gguf"
+    _ok(sparsify_main, [dense, q8, "--sparsity", S, "--activation", wina_file[1].parent / "act", "--method", "wina",
+                        "--outtype", "q8_0"])
+    g = open_gguf(q8)
+    model = TealTransformer(g)
+    n_int = 0
+    for (i, kind), x in _record_inputs(model, PROMPT).items():
+        p = model.teal_layers[i].products[kind]
+        parts = p.w if isinstance(p.w, list) else [p.w]
+        if not all(isinstance(q, QWeight) for q in parts):
+            continue
+        n_int += 1
+        c = torch.from_numpy(read_teal(g, 3).colnorm(i, kind))
+        wt = torch.cat([q.dequantize().float() for q in parts], dim=1)
+        x0 = x[-1:].float()
+        ref = (x0 * (x0.abs() * c >= p.threshold)) @ wt + (0 if p.bias is None else p.bias)
+        plain = (x0 * (x0.abs() >= p.threshold)) @ wt + (0 if p.bias is None else p.bias)
+        got = p(x[-1:]).float()
+        scale = 1 + ref.abs().max().item()
+        assert (got - ref).abs().max().item() <= 1e-3 * scale, (i, kind)
+        if not torch.equal(x0.abs() * c >= p.threshold, x0.abs() >= p.threshold):
+            assert (got - plain).abs().max().item() > 1e-2 * scale, (i, kind)
+    assert n_int >= 6

@@ -6,8 +6,9 @@ Every product ``y = W x`` of a block whose input threshold ``t`` is > 0 (the fil
 
     ``y = sum over j with |x_j| >= t of x_j * W^T[j]``
 
-with :func:`kernels.rows_axpy` (``pi_q_axpy_rows``/``pi_axpy_rows``: Q4_0, Q8_0, Q4_K, Q6_K, f16,
-bf16 and f32 rows, fp32 sums); the rows of the zeroed inputs are never read. The four inputs of
+with :func:`kernels.rows_axpy_sparse` (Q4_0 and Q8_0 rows, C kernels: selection and integer products in
+``pi_q_axpy_sparse``) or :func:`kernels.rows_axpy` (``pi_q_axpy_rows``/``pi_axpy_rows``: Q4_K, Q6_K, f16,
+bf16 and f32 rows, and the torch backend; fp32 sums); the rows of the zeroed inputs are never read. The four inputs of
 a block (:data:`~powerinfer.formats.teal.KINDS`) are the normed attention input (q, k and v: their
 ``W^T`` concatenated along the outputs, one AXPY pass), the heads' output (``attn_output``),
 the normed FFN input (gate and up, concatenated) and the gated activation ``act(gate) * up``
@@ -22,9 +23,13 @@ kept rows once per token instead: slower for a prompt whenever more than ``1 / T
 are kept (always, at the sparsities TEAL uses).
 
 ``dense=True`` runs every product on all inputs (the same weights: ``pi-perplexity --compare``'s
-dense side, and calibration on a dense file). Activations are not quantized: block-quantized
-``W^T`` rows are dequantized in registers and scaled by the fp32 ``x_j``, so the reference of a
-sparse product is ``(x * (|x| >= t)) @ dequant(W^T)``.
+dense side, and calibration on a dense file). One token on Q4_0/Q8_0 ``W^T`` (C kernels) runs
+:func:`kernels.rows_axpy_sparse`: integer products, the coefficients ``x_j * d`` (``d`` a row's block
+scale) rounded to int8 (Q4_0) or int16 (Q8_0) with one scale per 32 kept rows and output block, as a
+dense Q4_0/Q8_0 product rounds its activation (the rule and its error bound: ``qkernels.c``,
+``pi_q_axpy_sparse``). Other types (and prompts, and the torch backend) are not rounded: rows are
+dequantized and scaled by the fp32 ``x_j``, so the reference of those products is
+``(x * (|x| >= t)) @ dequant(W^T)``.
 
 Not supported (PowerInferError at load): PWRI files, fused ``attn_qkv``, families whose FFN is not
 gated or whose activation is not SiLU/GELU, ``--ram-budget``, ``--vram-budget``, batched decoding.
@@ -45,7 +50,7 @@ from . import kernels
 from .args import ModelArgs
 from .kernels import linear
 from .model import Layer, Norm, Transformer, load_head_norm, load_norm, _maybe
-from .weights import _release, dense_layout, load_matrix, stack_rows, tensor_shape
+from .weights import _release, dense_layout, empty, load_matrix, stack_rows, tensor_shape
 
 DENSE_ACTS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh")
 
@@ -62,12 +67,18 @@ def check_family(a: ModelArgs, path: str) -> None:
 
 def _hcat(parts: list):
     """Matrices ``[K, N_i]`` (torch order) joined along their outputs -> ``[K, sum N_i]``: one QWeight
-    (same type: each row's blocks one after the other) or tensor; the list when types differ."""
+    (same type: each row's blocks one after the other) or tensor; the list when types differ. A QWeight
+    result (one part or several) is a copy in huge-page-advised memory (:func:`weights.empty`): the AXPY
+    reads a few blocks from each of many rows, and 4 KiB pages of the file's map cost a TLB miss each."""
+    if all(isinstance(p, QWeight) and p.btype == parts[0].btype and p.layout == "rows" for p in parts):
+        raw = empty((parts[0].raw.shape[0], sum(p.raw.shape[1] for p in parts)), torch.uint8)
+        c = 0
+        for p in parts:
+            raw[:, c:c + p.raw.shape[1]].copy_(p.raw)
+            c += p.raw.shape[1]
+        return QWeight(raw, parts[0].btype, parts[0].n_rows, sum(p.n_cols for p in parts))
     if len(parts) == 1:
         return parts[0]
-    if all(isinstance(p, QWeight) and p.btype == parts[0].btype and p.layout == "rows" for p in parts):
-        raw = torch.cat([p.raw for p in parts], dim=1)
-        return QWeight(raw, parts[0].btype, parts[0].n_rows, sum(p.n_cols for p in parts))
     if all(isinstance(p, torch.Tensor) and p.dtype == parts[0].dtype for p in parts):
         return torch.cat(parts, dim=1)
     return parts
@@ -120,7 +131,12 @@ class InputSparseLinear:
             return linear(x, self.w, self.bias)
         thr = 0.0 if dense else self.threshold
         ws = self.w if isinstance(self.w, list) else [self.w]
-        if T == 1:
+        if T == 1 and all(kernels.axpy_sparse_ok(w) for w in ws):
+            if self.colnorm is not None and thr > 0:  # WINA: the C selection compares |x| alone, so the
+                x = x * self.keep(x, thr)  # weighted rule zeroes the inputs first and the kernel keeps the
+                thr = float(torch.finfo(torch.float32).tiny)  # non-zero ones
+            y = self._decode_int(x[0], ws, thr)
+        elif T == 1:
             x0 = x[0]
             idx = torch.arange(x0.numel()) if dense else self.keep(x0, thr).nonzero().view(-1)
             self.n_in += x0.numel()
@@ -135,6 +151,21 @@ class InputSparseLinear:
             y = torch.cat([_rows_matmul(xm, w) for w in ws], dim=-1)
         y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+
+    def _decode_int(self, x0: torch.Tensor, ws: list, thr: float) -> torch.Tensor:
+        """One token on Q4_0/Q8_0 ``W^T`` parts: :func:`kernels.rows_axpy_sparse` (selection and integer
+        AXPY in C) -> ``[1, N]`` fp32. ``thr`` is compared as torch compares ``x``'s dtype with it."""
+        if x0.dtype != torch.float32:
+            thr = float(torch.tensor(thr, dtype=x0.dtype))  # x.abs() >= thr rounds thr to x's dtype
+        x0 = x0.float()
+        parts = []
+        for w in ws:
+            y, kept = kernels.rows_axpy_sparse(x0, w, thr)
+            parts.append(y)
+        self.n_in += x0.numel()
+        self.n_kept += kept
+        return (parts[0] if len(parts) == 1 else torch.cat(parts))[None]
 
 
 def _rows_matmul(x: torch.Tensor, wt) -> torch.Tensor:
@@ -224,7 +255,8 @@ def _load_product(g: GGUFFile, i: int, kind: str, thr: float, a: ModelArgs, dtyp
     else:
         w = [dense_layout(g, [n], p) if isinstance(p, QWeight) else p for n, p in zip(stored, parts)]
         w = w[0] if len(w) == 1 else w
-    if len(parts) > 1 and (sparse or isinstance(w, torch.Tensor)) and not isinstance(w, list):
+    if (len(parts) > 1 or isinstance(w, QWeight) and sparse) and (sparse or isinstance(w, torch.Tensor)) \
+            and not isinstance(w, list):
         del parts  # joined into a copy: the mapped pages are dropped
         for name in stored:
             _release(g, g.tensors[name])

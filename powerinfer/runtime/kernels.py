@@ -135,11 +135,12 @@ def _build(native: bool = True) -> ctypes.CDLL:
     lib.pi_q_sparse_ffn.restype = I
     lib.pi_q_dot_rows_multi.argtypes = [C, P, P, P, I, I, P, I, P, P, P, F32]
     lib.pi_q_axpy_rows_multi.argtypes = [C, P, P, P, I, I, I, P, I]
+    lib.pi_q_axpy_sparse.argtypes = [C, P, P, I, F32, I, P, P]
     for f in (lib.pi_q_gemm, lib.pi_q_dot_rows, lib.pi_q_axpy_rows, lib.pi_x8_gemm, lib.pi_q_dot_rows_multi,
-              lib.pi_q_axpy_rows_multi):
+              lib.pi_q_axpy_rows_multi, lib.pi_q_axpy_sparse):
         f.restype = C
     for f in (lib.pi_q_gemm, lib.pi_q_dot_rows, lib.pi_q_axpy_rows, lib.pi_x8_gemm, lib.pi_q_dot_rows_multi,
-              lib.pi_q_axpy_rows_multi, lib.pi_q_sparse_ffn):
+              lib.pi_q_axpy_rows_multi, lib.pi_q_sparse_ffn, lib.pi_q_axpy_sparse):
         f.errcheck = _check_rc
     return lib
 
@@ -373,6 +374,24 @@ def rows_axpy(idx: torch.Tensor, w, coef: torch.Tensor) -> torch.Tensor:
     if idx.numel() == 0:
         return torch.zeros(w.shape[1], dtype=w.dtype)
     return F.embedding_bag(idx[None], w, per_sample_weights=coef.to(w.dtype)[None], mode="sum")[0]
+
+
+def rows_axpy_sparse(x: torch.Tensor, w: QWeight, threshold: float) -> tuple[torch.Tensor, int]:
+    """``sum over j with |x[j]| >= threshold of x[j] * w[j]`` for a Q4_0/Q8_0 row-layout ``w`` ``[K, D]``
+    (C backend; :func:`axpy_sparse_ok`), ``x`` ``[K]`` fp32 -> (fp32 ``[D]``, number of inputs kept) with
+    integer products: ``pi_q_axpy_sparse`` in ``qkernels.c`` (coefficients rounded per group of 32 kept
+    rows and output block, the analogue of the activation rounding of a dense product)."""
+    xf = x.float().contiguous()
+    out = torch.empty(w.n_cols, dtype=torch.float32)
+    kept = ctypes.c_int64(0)
+    _state["lib"].pi_q_axpy_sparse(_QT[w.btype.name], w.raw.data_ptr(), xf.data_ptr(), xf.numel(), float(threshold),
+                                   w.n_cols, out.data_ptr(), ctypes.byref(kept))
+    return out, kept.value
+
+
+def axpy_sparse_ok(w) -> bool:
+    """Whether :func:`rows_axpy_sparse` takes ``w`` (a Q4_0/Q8_0 row-layout QWeight, C backend)."""
+    return isinstance(w, QWeight) and w.btype.name in ("Q4_0", "Q8_0") and _q_c_ok(w) and w.n_cols % 32 == 0
 
 
 def rows_dot_multi(x: torch.Tensor, idx: torch.Tensor, sel: torch.Tensor, a: QWeight, b: QWeight | None = None,

@@ -1044,6 +1044,358 @@ int pi_q_axpy_rows(int qt, const void *W, const int64_t *idx, const float *coef,
     return 0;
 }
 
+/* ------------------------------------------------------------------ integer AXPY (TEAL decode)
+ * out[n] = sum over the kept rows j (|x[j]| >= thr and x[j] != 0) of x[j] * W[j][n],
+ * W [K, D] Q4_0 or Q8_0 rows (input-major), computed with integer products as ggml computes a
+ * dense Q4_0/Q8_0 dot product, with the coefficients in the role of its quantized activation:
+ *
+ *   the kept rows, ordered by the octave of |x[j]| (o = min(e_max - e_j, 15), e the fp32 exponent
+ *   field, e_max the largest over the kept rows; ties in index order), are cut into groups of
+ *   AXG (32) (the last one shorter), so a group's x[j] are within a factor 2-4 of each other
+ *   (the rounding error of the small ones is then not set by a large one); for group g
+ *   and output block b (32 values), c_j = x[j] * d_{j,b} (the row's fp16 block scale, in fp32),
+ *   s = max_j |c_j| / QMAX, qc_j = round-half-even(c_j * (1 / s)) (0 when s = 0), and
+ *   out[b] += s * isum with isum = sum_j qc_j * q_{j,n} exact in integers (Q4_0: q = nibble - 8).
+ *
+ * QMAX: 127 for Q4_0 (int8 coefficients: vpmaddubsw of two rows' interleaved nibbles against
+ * their two coefficients, int16 sums; |isum| <= 32 * 8 * 127 = 32512 fits, the offset 8 taken
+ * off as 8 * sum(qc)); 32767 for Q8_0 (int16 coefficients: vpmaddwd of two rows' interleaved
+ * int16 values, int32 sums). Error of one group's term against the exact sum_j c_j q_{j,n}:
+ * at most (s / 2) * sum_j |q_{j,n}|, s = max_j |c_j| / QMAX (plus the fp32 roundings), i.e.
+ * |error| <= max_j |c_j| * |g| * 8 / 254 for Q4_0 (|q| <= 8); llama.cpp's activation rounding
+ * gives a dense dot product the same form of bound over its 32-value blocks.
+ * The groups do not depend on the threads (each owns whole output blocks), so neither do the
+ * numbers. AVX2 paths and the scalar code compute the same integers; their fp32 accumulation
+ * of s * isum differs only in fused or separate rounding. */
+#define AXG 32  /* kept rows per coefficient group */
+#ifndef AXCB
+#define AXCB 32 /* output blocks per chunk: one chunk's scales, coefficients and out stay in L1 (16, 32, 64,
+                   128, 256 measured on the 8B shape's 4-layer TEAL 50% decode: 32 and 64 best) */
+#endif
+#ifndef AXQ_PF
+#define AXQ_PF 1
+#endif
+#ifndef AXQ_LOCALITY
+#define AXQ_LOCALITY 1 /* __builtin_prefetch locality of the next group's lines (1, prefetcht2: +5-8% decode
+                          against 3, into L1, which stalls on the fill buffers; 0, non-temporal: -30%) */
+#endif
+
+static inline int axq_qmax(int qt) { return qt == QT_Q4_0 ? 127 : 32767; }
+
+#ifndef AXQ_OCT
+#define AXQ_OCT 16 /* octaves of |x| the kept rows are ordered by (the last one takes all smaller) */
+#endif
+static inline uint32_t axq_exp(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return (u >> 23) & 0xff;
+}
+static inline int axq_oct(float v, uint32_t emax) {
+    const uint32_t e = axq_exp(v);
+    return emax - e < AXQ_OCT - 1 ? (int)(emax - e) : AXQ_OCT - 1;
+}
+
+/* One group's coefficients for blocks [b0, b0 + nb): sc[k] = s, sum8[k] = 8 * sum(qc) (Q4_0), and
+ * tab[p * AXCB + k] (uint32) the pair p's two coefficients (Q4_0: bytes row 2p, row 2p+1, twice;
+ * Q8_0: the two int16), a 32-bit broadcast in axq_mac. n rows (even), rows[j] at row starts. */
+static void axq_coefs(int qt, const uint8_t *const *rows, const float *xs, int n, int64_t b0, int nb, float *sc,
+                      int16_t *sum8, void *tab, float *cbuf) {
+    const int64_t bb = block_bytes(qt);
+    const float qmax = (float)axq_qmax(qt);
+    float amax[AXCB];
+    for (int k = 0; k < nb; k++) amax[k] = 0.f;
+    for (int j = 0; j < n; j++) {
+        const uint8_t *r = rows[j] + b0 * bb;
+        float *c = cbuf + j * AXCB;
+        int k = 0;
+#ifdef PI_AVX2
+        const __m256 xv = _mm256_set1_ps(xs[j]);
+        for (; k + 8 <= nb; k += 8) {
+            const uint8_t *q = r + k * bb;  /* 8 scales, bb bytes apart (word inserts: no gather) */
+            __m128i h = _mm_cvtsi32_si128(rd16(q));
+            h = _mm_insert_epi16(h, rd16(q + bb), 1);
+            h = _mm_insert_epi16(h, rd16(q + 2 * bb), 2);
+            h = _mm_insert_epi16(h, rd16(q + 3 * bb), 3);
+            h = _mm_insert_epi16(h, rd16(q + 4 * bb), 4);
+            h = _mm_insert_epi16(h, rd16(q + 5 * bb), 5);
+            h = _mm_insert_epi16(h, rd16(q + 6 * bb), 6);
+            h = _mm_insert_epi16(h, rd16(q + 7 * bb), 7);
+            const __m256 cv = _mm256_mul_ps(xv, _mm256_cvtph_ps(h));
+            _mm256_storeu_ps(c + k, cv);
+            const __m256 av = _mm256_andnot_ps(_mm256_set1_ps(-0.f), cv);
+            _mm256_storeu_ps(amax + k, _mm256_max_ps(_mm256_loadu_ps(amax + k), av));
+        }
+#endif
+        for (; k < nb; k++) {
+            c[k] = xs[j] * h2f(rd16(r + k * bb));
+            const float a = fabsf(c[k]);
+            amax[k] = a > amax[k] ? a : amax[k];
+        }
+    }
+    float inv[AXCB];
+    for (int k = 0; k < nb; k++) {
+        sc[k] = amax[k] / qmax;
+        inv[k] = sc[k] > 0.f ? 1.f / sc[k] : 0.f;
+    }
+    if (qt == QT_Q4_0) {
+        uint32_t *t = tab;
+        int32_t sum[AXCB];
+        for (int k = 0; k < nb; k++) sum[k] = 0;
+        for (int p = 0; p < n / 2; p++) {
+            const float *c1 = cbuf + 2 * p * AXCB, *c2 = c1 + AXCB;
+            int k = 0;
+#ifdef PI_AVX2
+            for (; k + 8 <= nb; k += 8) {
+                const __m256 iv = _mm256_loadu_ps(inv + k);
+                const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(c1 + k), iv));
+                const __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(c2 + k), iv));
+                const __m256i w = _mm256_or_si256(_mm256_and_si256(q1, _mm256_set1_epi32(0xff)),
+                                                  _mm256_slli_epi32(_mm256_and_si256(q2, _mm256_set1_epi32(0xff)), 8));
+                _mm256_storeu_si256((__m256i *)(t + p * AXCB + k), _mm256_or_si256(w, _mm256_slli_epi32(w, 16)));
+                _mm256_storeu_si256((__m256i *)(sum + k),
+                                    _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(sum + k)), _mm256_add_epi32(q1, q2)));
+            }
+#endif
+            for (; k < nb; k++) {
+                const int32_t q1 = (int32_t)nearbyintf(c1[k] * inv[k]), q2 = (int32_t)nearbyintf(c2[k] * inv[k]);
+                const uint32_t w = (uint32_t)((q1 & 0xff) | (q2 & 0xff) << 8);
+                t[p * AXCB + k] = w | w << 16;
+                sum[k] += q1 + q2;
+            }
+        }
+        for (int k = 0; k < nb; k++) sum8[k] = (int16_t)(8 * sum[k]);
+    } else {
+        uint32_t *t = tab;
+        for (int p = 0; p < n / 2; p++) {
+            const float *c1 = cbuf + 2 * p * AXCB, *c2 = c1 + AXCB;
+            int k = 0;
+#ifdef PI_AVX2
+            for (; k + 8 <= nb; k += 8) {
+                const __m256 iv = _mm256_loadu_ps(inv + k);
+                const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(c1 + k), iv));
+                const __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(c2 + k), iv));
+                _mm256_storeu_si256((__m256i *)(t + p * AXCB + k),
+                                    _mm256_or_si256(_mm256_and_si256(q1, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(q2, 16)));
+            }
+#endif
+            for (; k < nb; k++) {
+                const int32_t q1 = (int32_t)nearbyintf(c1[k] * inv[k]), q2 = (int32_t)nearbyintf(c2[k] * inv[k]);
+                t[p * AXCB + k] = (uint32_t)(q1 & 0xffff) | (uint32_t)q2 << 16;
+            }
+        }
+    }
+}
+
+/* The cache lines the next group reads (rows[j] + p0 .. p1 for j < n), prefetched a few at a
+ * time between the current group's blocks: a burst of them would stall on the fill buffers. */
+typedef struct {
+    const uint8_t *const *rows;
+    int n, j;             /* rows, the row being issued */
+    int64_t p0, p1, off;  /* byte range of each row; the next offset in row j */
+    int per;              /* lines per block step */
+} axq_ahead;
+
+static inline void axq_prefetch(axq_ahead *a) {
+    for (int e = 0; AXQ_PF && e < a->per && a->j < a->n; e++) {
+        __builtin_prefetch(a->rows[a->j] + a->off, 0, AXQ_LOCALITY);
+        if ((a->off += 64) >= a->p1) {
+            a->off = a->p0;
+            a->j++;
+        }
+    }
+}
+
+/* out[32 k .. 32 k + 32) += sc[k] * sum_j qc_j q_j for the group's n rows (even) and blocks [b0, b0 + nb) */
+static void axq_mac(int qt, const uint8_t *const *rows, int n, int64_t b0, int nb, const float *sc, const int16_t *sum8,
+                    const void *tab, float *out, axq_ahead *ahead) {
+    const int64_t bb = block_bytes(qt);
+    int k = 0;
+#ifdef PI_AVX2
+    if (qt == QT_Q4_0) {
+        const uint32_t *t = tab;
+        const __m256i m4 = _mm256_set1_epi8(0x0f);
+        for (; k < nb; k += 2) {  /* two blocks at a time (the second skipped past nb): rows loaded once */
+            axq_prefetch(ahead);
+            const int two = k + 1 < nb;
+            const int64_t off = (b0 + k) * 18 + 2, off1 = two ? off + 18 : off;
+            __m256i acc[4];
+            __m256i l0 = _mm256_setzero_si256(), h0 = l0, l1 = l0, h1 = l0;  /* registers, not acc[] */
+            for (int p = 0; p < n / 2; p++) {
+                const uint8_t *r1 = rows[2 * p], *r2 = rows[2 * p + 1];
+                const uint32_t *tp = t + p * AXCB + k;
+#define AXQ_PAIR4(o, c, lo, hi)                                                                                        \
+    do {                                                                                                               \
+        const __m256i t1 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(r1 + (o))));                 \
+        const __m256i t2 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(r2 + (o))));                 \
+        /* word i = (row 1 byte i, row 2 byte i): both rows' value i (low nibble), i + 16 (high) */                    \
+        const __m256i w = _mm256_blend_epi32(_mm256_unpacklo_epi8(t1, t2), _mm256_unpackhi_epi8(t1, t2), 0xF0);       \
+        const __m256i cp = _mm256_set1_epi32((int)(c));                                                                \
+        lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(_mm256_and_si256(w, m4), cp));                                  \
+        hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), m4), cp));            \
+    } while (0)
+                AXQ_PAIR4(off, tp[0], l0, h0);
+                AXQ_PAIR4(off1, tp[1], l1, h1);
+#undef AXQ_PAIR4
+            }
+            acc[0] = l0, acc[1] = h0, acc[2] = l1, acc[3] = h1;
+            for (int e = 0; e <= two; e++) {
+                const __m256i o8 = _mm256_set1_epi16(sum8[k + e]);
+                const __m256i lo = _mm256_sub_epi16(acc[2 * e], o8), hi = _mm256_sub_epi16(acc[2 * e + 1], o8);
+                const __m256 s = _mm256_set1_ps(sc[k + e]);
+                float *o = out + (k + e) * QK;
+                const __m256i v[4] = {_mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo)),
+                                      _mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo, 1)),
+                                      _mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi)),
+                                      _mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi, 1))};
+                for (int i = 0; i < 4; i++)
+                    _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(v[i]), _mm256_loadu_ps(o + 8 * i)));
+            }
+        }
+        k = nb;
+    } else {
+        const uint32_t *t = tab;
+        for (; k < nb; k++) {
+            axq_prefetch(ahead);
+            const int64_t off = (b0 + k) * 34 + 2;
+            __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                              _mm256_setzero_si256()};
+            for (int p = 0; p < n / 2; p++) {
+                const __m256i cp = _mm256_set1_epi32((int)t[p * AXCB + k]);
+                for (int h = 0; h < 2; h++) {
+                    const __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(rows[2 * p] + off + 16 * h)));
+                    const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(rows[2 * p + 1] + off + 16 * h)));
+                    acc[2 * h] = _mm256_add_epi32(acc[2 * h], _mm256_madd_epi16(_mm256_unpacklo_epi16(a, b), cp));
+                    acc[2 * h + 1] = _mm256_add_epi32(acc[2 * h + 1], _mm256_madd_epi16(_mm256_unpackhi_epi16(a, b), cp));
+                }
+            }
+            /* acc[2h]: values 16h + {0..3, 8..11}, acc[2h+1]: 16h + {4..7, 12..15} */
+            const __m256 s = _mm256_set1_ps(sc[k]);
+            float *o = out + k * QK;
+            for (int h = 0; h < 2; h++) {
+                const __m256i v0 = _mm256_permute2x128_si256(acc[2 * h], acc[2 * h + 1], 0x20);
+                const __m256i v1 = _mm256_permute2x128_si256(acc[2 * h], acc[2 * h + 1], 0x31);
+                float *oh = o + 16 * h;
+                _mm256_storeu_ps(oh, _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(v0), _mm256_loadu_ps(oh)));
+                _mm256_storeu_ps(oh + 8, _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(v1), _mm256_loadu_ps(oh + 8)));
+            }
+        }
+    }
+#endif
+    for (; k < nb; k++) {
+        axq_prefetch(ahead);
+        const int64_t off = (b0 + k) * bb + 2;
+        int32_t isum[QK] = {0};
+        for (int p = 0; p < n / 2; p++)
+            for (int e = 0; e < 2; e++) {
+                const uint8_t *q = rows[2 * p + e] + off;
+                int32_t c;
+                if (qt == QT_Q4_0) {
+                    const uint16_t w = (uint16_t)((const uint32_t *)tab)[p * AXCB + k];
+                    c = (int8_t)(e ? w >> 8 : w & 0xff);
+                    for (int i = 0; i < 16; i++) {
+                        isum[i] += c * ((q[i] & 15) - 8);
+                        isum[i + 16] += c * ((q[i] >> 4) - 8);
+                    }
+                } else {
+                    const uint32_t w = ((const uint32_t *)tab)[p * AXCB + k];
+                    c = (int16_t)(e ? w >> 16 : w & 0xffff);
+                    for (int i = 0; i < QK; i++) isum[i] += c * (int8_t)q[i];
+                }
+            }
+        (void)sum8;
+        for (int i = 0; i < QK; i++) out[k * QK + i] += sc[k] * (float)isum[i];
+    }
+}
+
+/* out[b0 * 32 .. b1 * 32) of pi_q_axpy_sparse: the m kept rows (rows, xs) in groups of AXG, in
+ * chunks of AXCB blocks; each group's chunk lines are prefetched while the group before computes */
+static void axq_slice(int qt, const uint8_t *const *rows, const float *xs, int64_t m, int64_t b0, int64_t b1,
+                      float *out) {
+    const int64_t bb = block_bytes(qt);
+    float cbuf[AXG * AXCB], sc[AXCB];
+    int16_t sum8[AXCB];
+    uint32_t tab[AXG / 2 * AXCB];
+    for (int64_t c0 = b0; c0 < b1; c0 += AXCB) {
+        const int nb = (int)(b1 - c0 < AXCB ? b1 - c0 : AXCB);
+        for (int64_t g0 = 0; g0 < m; g0 += AXG) {
+            int n = (int)(m - g0 < AXG ? m - g0 : AXG);
+            const uint8_t *gr[AXG];
+            float gx[AXG];
+            for (int j = 0; j < n; j++) {
+                gr[j] = rows[g0 + j];
+                gx[j] = xs[g0 + j];
+            }
+            if (n & 1) {  /* a zero coefficient pads the last pair (its row is read, adds 0) */
+                gr[n] = gr[0];
+                gx[n++] = 0.f;
+            }
+            /* the next group's rows in this chunk (or the first group's in the next chunk) */
+            const int64_t ng0 = g0 + AXG < m ? g0 + AXG : 0, nc0 = g0 + AXG < m ? c0 : c0 + AXCB;
+            axq_ahead ahead = {rows + ng0, 0, 0, 0, 0, 0, 0};
+            if (nc0 < b1) {
+                const int64_t nnb = b1 - nc0 < AXCB ? b1 - nc0 : AXCB;
+                ahead.n = (int)(m - ng0 < AXG ? m - ng0 : AXG);
+                ahead.off = ahead.p0 = nc0 * bb;
+                ahead.p1 = (nc0 + nnb) * bb;
+                const int steps = qt == QT_Q4_0 ? (nb + 1) / 2 : nb;  /* axq_mac's block steps */
+                ahead.per = (int)(((ahead.p1 - ahead.p0 + 63) / 64 * ahead.n + steps - 1) / steps);
+            }
+            axq_coefs(qt, gr, gx, n, c0, nb, sc, sum8, tab, cbuf);
+            axq_mac(qt, gr, n, c0, nb, sc, sum8, tab, out + (c0 - b0) * QK, &ahead);
+        }
+    }
+}
+
+/* out[d] = sum over j < K with |x[j]| >= thr of x[j] * W[j][d], d < D, with integer products
+ * (see above): W [K, D] Q4_0 or Q8_0 rows, x [K] f32, out [D] f32. *n_kept = the number of j with
+ * |x[j]| >= thr (rows whose x[j] is exactly 0 are counted there but not read). Returns 0,
+ * PI_ENOMEM, or PI_EINVAL for another type or D not a multiple of 32. */
+int pi_q_axpy_sparse(int qt, const void *W, const float *x, int64_t K, float thr, int64_t D, float *out,
+                     int64_t *n_kept) {
+    if (!is_q0(qt) || D % QK) return PI_EINVAL;
+    const int64_t rb = row_bytes(qt, D);
+    const uint8_t **rows = malloc((size_t)(K + 1) * sizeof(*rows));
+    float *xs = malloc((size_t)(K + 1) * sizeof(float));
+    if (!rows || !xs) {
+        free(rows);
+        free(xs);
+        return PI_ENOMEM;
+    }
+    /* kept rows in order of |x| octave (largest first; index order within one): a group's
+     * coefficients then share a range, so its scale fits all of them */
+    int64_t cnt[AXQ_OCT + 1] = {0}, kept = 0;
+    uint32_t emax = 0;
+    for (int64_t j = 0; j < K; j++)
+        if (fabsf(x[j]) >= thr) {
+            kept++;
+            const uint32_t e = axq_exp(x[j]);
+            if (x[j] != 0.f && e > emax) emax = e;
+        }
+    for (int64_t j = 0; j < K; j++)
+        if (fabsf(x[j]) >= thr && x[j] != 0.f) cnt[axq_oct(x[j], emax) + 1]++;
+    for (int o = 0; o < AXQ_OCT; o++) cnt[o + 1] += cnt[o];
+    const int64_t m = cnt[AXQ_OCT];
+    for (int64_t j = 0; j < K; j++)
+        if (fabsf(x[j]) >= thr && x[j] != 0.f) {
+            const int64_t at = cnt[axq_oct(x[j], emax)]++;
+            rows[at] = (const uint8_t *)W + j * rb;
+            xs[at] = x[j];
+        }
+    *n_kept = kept;
+    memset(out, 0, (size_t)D * sizeof(float));
+    const int64_t nblk = D / QK;
+    const int par = m * rb >= PAR_MIN_BYTES && omp_get_max_threads() > 1 && nblk >= 2;
+    #pragma omp parallel if (par)
+    {
+        int64_t d0, d1;
+        d_slice(D, QK, omp_get_num_threads(), omp_get_thread_num(), &d0, &d1);
+        if (d0 < d1) axq_slice(qt, rows, xs, m, d0 / QK, d1 / QK, out + d0);
+    }
+    free(rows);
+    free(xs);
+    return 0;
+}
+
 /* ------------------------------------------------------------------ 8-row groups
  * Dense products (attention, output, predictors, dense FFNs) read Q4_0/Q8_0 matrices re-laid
  * out at load in groups of 8 rows ("x8", same bytes per row): for group g and block b,
