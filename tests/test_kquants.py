@@ -4,8 +4,9 @@ Every kernel op (dense product of one and of several tokens, gate/up rows, down 
 dequantized) on Q5_K and on the 32-value types llama.cpp's quantizer writes into those files
 for rows that are not a multiple of 256 values (Q5_0 for Q4_K, Q5_1 for Q5_K), and on Q4_K and
 Q6_K (whose AVX2 products sum a super-block's sub-blocks as one vector), against ``gguf``'s
-numpy dequantizers: products equal ``x @ dequant(w).T`` in float64, ``x`` rounded to 8-bit
-blocks of 32 as the kernels round it, within float32 summation error; conversions bit for bit.
+numpy dequantizers: products equal ``x @ dequant(w).T`` in float64, ``x`` rounded as the kernels
+round it (ggml's q8_K, blocks of 256, for Q4_K/Q5_K/Q6_K, as llama.cpp's vec_dot; 8-bit blocks of
+32 for Q5_0/Q5_1), within float32 summation error; conversions bit for bit.
 Native (AVX2) and portable scalar builds (the ``lib`` fixture), one and two threads, row counts
 and block counts that leave tails for every unrolled loop.
 
@@ -26,6 +27,8 @@ from gguf import GGMLQuantizationType as QT, quants
 from powerinfer.errors import PowerInferError
 from powerinfer.quant.qweight import MAPPED_TYPES, QWeight
 from powerinfer.runtime import kernels
+
+from helpers import q8_K
 
 NEW = ["Q5_0", "Q5_1", "Q5_K"]
 K_TYPES = ["Q4_K", "Q5_K", "Q6_K"]
@@ -50,14 +53,19 @@ def make(name: str, n: int, k: int, seed: int = 0) -> QWeight:
 
 
 def q8(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as the kernels see it: 8-bit blocks of 32, scale amax/127 in fp32, round half to even."""
+    """``x`` as the Q5_0/Q5_1 kernels see it: 8-bit blocks of 32, scale amax/127 in fp32, round half to even."""
     b = x.float().reshape(-1, 32)
     d = b.abs().amax(1, keepdim=True) / 127
     return (torch.round(b * torch.where(d != 0, 1 / d, torch.zeros_like(d))) * d).reshape(x.shape)
 
 
+def act(name: str, x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the products on ``name`` weights round it (ggml's q8_K for the K-quants)."""
+    return q8_K(x) if name in K_TYPES else q8(x)
+
+
 def ref_dense(w: QWeight, x: torch.Tensor) -> torch.Tensor:
-    return q8(x).double() @ w.dequantize().double().T
+    return act(w.btype.name, x).double() @ w.dequantize().double().T
 
 
 def close(got: torch.Tensor, want: torch.Tensor, rel: float = 3e-6) -> None:
