@@ -346,9 +346,15 @@ KQ = Path(__file__).parent / "data" / "kquant"
 def test_llamacpp_k_quant_files_run_in_place_and_give_its_perplexity(c_kernels, tmp_path, name, types):
     """llama.cpp's quantizer wrote these from a tiny SiLU Llama with n_embd 160 (not a multiple of 256,
     as Qwen2.5-0.5B's 896): Q4_K_M/Q5_K_M with the fallback types for those rows. Every matrix runs in
-    its own bytes, and the perplexity equals llama-perplexity's on the same text within 0.5% (measured
-    0.16% and 0.32%; quantizing moved it 2.7% and 3.0% from the f32 model's: the engines round the
-    activation differently, q8_K / q8_1 blocks with fp16 scales there, q8 blocks of 32 here)."""
+    its own bytes, and the perplexity equals llama-perplexity's on the same text within 0.5%.
+
+    Against ``-fa off`` (measured -0.22% and +0.28%; against the default flash attention -0.48% and
+    +0.22%). Not within 0.1%: this random model turns any rounding difference into a perplexity
+    shift (quantizing moved it 2.7% and 3.0% from the f32 model's), and llama.cpp's own figure for
+    these same bytes moves 0.27% and 0.06% between its two attention paths (f16 rounding of the
+    query and softmax weights, or an f16 V accumulator), where an f32 tiny Llama moves 0.01%. Our
+    K-quant products round the activation as ggml's (q8_K); its Q5_0/Q8_0/Q5_1 products (q8_0/q8_1
+    with fp16 scales) and attention round in ways ours do not."""
 
     from powerinfer.eval.perplexity import chunk_tokens, perplexity
     from powerinfer.formats.gguf_file import open_gguf
@@ -370,5 +376,6 @@ def test_llamacpp_k_quant_files_run_in_place_and_give_its_perplexity(c_kernels, 
     tok = GGUFTokenizer(g)  # as pi-perplexity: BOS first, and in place of each chunk's first token
     chunks = chunk_tokens(tok.encode(text), ref["ctx"], None, tok.bos_id if tok.add_bos else None)
     res = perplexity(m, chunks)
-    assert len(res.chunk_ppl) == len(ref[name]["chunks"])
-    assert abs(res.ppl / ref[name]["ppl"] - 1) <= 0.005, (res.ppl, ref[name]["ppl"])
+    want = ref[f"{name} -fa off"]
+    assert len(res.chunk_ppl) == len(want["chunks"])
+    assert abs(res.ppl / want["ppl"] - 1) <= 0.005, (res.ppl, want["ppl"])
