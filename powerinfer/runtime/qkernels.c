@@ -729,13 +729,32 @@ typedef struct {
     float *d;   /* dn scales per token: K/32, or K/256 for the K-quants (q8_K) */
     int32_t *s; /* K-quants, Q5_0/Q5_1: the sums of each 16 values */
     int32_t *o; /* Q4_0: 8 x the sum of each block (the nibbles' offset 8, taken off in the x8 kernel) */
+    int32_t *p; /* K-quants: per token and super-block, 8 pairs of 16-value sums packed as int16 pairs for
+                 * the x8 kernels' vpmaddwd (kpairs) */
     int64_t dn;
 } acts_t;
+
+/* lo | hi << 16: two int16 (|v| <= 32 * 127) as one int32 lane for vpmaddwd */
+static inline int32_t pack16(int32_t lo, int32_t hi) { return (int32_t)(((uint32_t)hi << 16) | ((uint32_t)lo & 0xffffu)); }
+
+/* One super-block's 16-value sums s[16] -> the 8 int32 the x8 kernels broadcast: Q6_K (s[2k], s[2k+1])
+ * for sub-block k (its two groups' offsets); Q4_K/Q5_K the 32-value sums b_k = s[2k] + s[2k+1] as
+ * (b0, b2), (b1, b3), (b4, b6), (b5, b7) (against the rows' mins in those pairs), then 4 zeros. */
+static inline void kpairs(int qt, const int32_t *s, int32_t *out) {
+    if (qt == QT_Q6_K) {
+        for (int k = 0; k < 8; k++) out[k] = pack16(s[2 * k], s[2 * k + 1]);
+        return;
+    }
+    int32_t b[8];
+    for (int k = 0; k < 8; k++) b[k] = s[2 * k] + s[2 * k + 1];
+    const int32_t v[8] = {pack16(b[0], b[2]), pack16(b[1], b[3]), pack16(b[4], b[6]), pack16(b[5], b[7]), 0, 0, 0, 0};
+    memcpy(out, v, sizeof(v));
+}
 
 /* *ok = 0 when an allocation failed (nothing is left allocated then) */
 static void release(acts_t a);
 static acts_t prepare(int qt, const float *x, int64_t T, int64_t K, int *ok) {
-    acts_t a = {NULL, NULL, NULL, NULL, 0};
+    acts_t a = {NULL, NULL, NULL, NULL, NULL, 0};
     *ok = 1;
     if (!uses_q8(qt)) return a;
     const int64_t nb = K / QK;
@@ -744,14 +763,16 @@ static acts_t prepare(int qt, const float *x, int64_t T, int64_t K, int *ok) {
     a.d = malloc((size_t)(T * a.dn) * sizeof(float) + 1);
     if (needs_sums(qt)) a.s = malloc((size_t)(T * (K / 16)) * sizeof(int32_t) + 1);
     else if (qt == QT_Q4_0) a.o = malloc((size_t)(T * nb) * sizeof(int32_t) + 1);
-    if (!a.q || !a.d || (needs_sums(qt) && !a.s) || (qt == QT_Q4_0 && !a.o)) {
+    if (is_k(qt)) a.p = malloc((size_t)(T * a.dn * 8) * sizeof(int32_t) + 1);
+    if (!a.q || !a.d || (needs_sums(qt) && !a.s) || (qt == QT_Q4_0 && !a.o) || (is_k(qt) && !a.p)) {
         release(a);
-        acts_t none = {NULL, NULL, NULL, NULL, 0};
+        acts_t none = {NULL, NULL, NULL, NULL, NULL, 0};
         *ok = 0;
         return none;
     }
     if (is_k(qt)) {
         for (int64_t t = 0; t < T; t++) quantize_q8K(x + t * K, K, a.q + t * K, a.d + t * a.dn, a.s + t * (K / 16));
+        for (int64_t i = 0; i < T * a.dn; i++) kpairs(qt, a.s + 16 * i, a.p + 8 * i);
         return a;
     }
     for (int64_t t = 0; t < T; t++) quantize_q8(x + t * K, K, a.q + t * K, a.d + t * nb);
@@ -776,6 +797,7 @@ static void release(acts_t a) {
     free(a.d);
     free(a.s);
     free(a.o);
+    free(a.p);
 }
 
 static inline act_t act_of(const float *x, acts_t b, int64_t t, int64_t K) {
@@ -1378,13 +1400,11 @@ static inline __attribute__((always_inline)) void x8k45_tile(const uint8_t *base
         }
 #pragma GCC unroll 4
         for (int j = 0; j < rn; j++) {
-            const int32_t *xs = a.s + (t0 + j) * (K / 16) + 16 * sb;
-            int32_t b2[8];  /* the token's 32-value sums (|.| <= 4064: int16) */
-            for (int k = 0; k < 8; k++) b2[k] = xs[2 * k] + xs[2 * k + 1];
-            __m256i im = _mm256_madd_epi16(mp[0], _mm256_set1_epi32((int)(((uint32_t)b2[2] << 16) | (b2[0] & 0xffff))));
-            im = _mm256_add_epi32(im, _mm256_madd_epi16(mp[1], _mm256_set1_epi32((int)(((uint32_t)b2[3] << 16) | (b2[1] & 0xffff)))));
-            im = _mm256_add_epi32(im, _mm256_madd_epi16(mp[2], _mm256_set1_epi32((int)(((uint32_t)b2[6] << 16) | (b2[4] & 0xffff)))));
-            im = _mm256_add_epi32(im, _mm256_madd_epi16(mp[3], _mm256_set1_epi32((int)(((uint32_t)b2[7] << 16) | (b2[5] & 0xffff)))));
+            const int32_t *xp = a.p + ((t0 + j) * nsb + sb) * 8;  /* the token's 32-value sums in pairs (kpairs) */
+            __m256i im = _mm256_madd_epi16(mp[0], _mm256_set1_epi32(xp[0]));
+            im = _mm256_add_epi32(im, _mm256_madd_epi16(mp[1], _mm256_set1_epi32(xp[1])));
+            im = _mm256_add_epi32(im, _mm256_madd_epi16(mp[2], _mm256_set1_epi32(xp[2])));
+            im = _mm256_add_epi32(im, _mm256_madd_epi16(mp[3], _mm256_set1_epi32(xp[3])));
             const __m256 dy = _mm256_set1_ps(a.d[(t0 + j) * nsb + sb]);
             acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_mul_ps(d8, dy), acc[j]);
             acc[j] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(dm8, dy), acc[j]);
@@ -1430,15 +1450,14 @@ static inline __attribute__((always_inline)) void x8k6_tile(const uint8_t *base,
 #pragma GCC unroll 4
             for (int j = 0; j < rn; j++) {
                 const int8_t *xq = a.q + (t0 + j) * K + sb * QKK + 32 * k;
-                const int32_t *xs = a.s + (t0 + j) * (K / 16) + 16 * sb + 2 * k;
+                const int32_t xs2 = a.p[((t0 + j) * nsb + sb) * 8 + k];  /* (s_2k, s_2k+1) of the token (kpairs) */
                 __m256i p[4];
                 for (int q = 0; q < 4; q++)  /* |two pairs| <= 2 * 2 * 63 * 127 = 32004 */
                     p[q] = _mm256_add_epi16(_mm256_maddubs_epi16(w[2 * q], _mm256_set1_epi32(ld32(xq + 8 * q))),
                                             _mm256_maddubs_epi16(w[2 * q + 1], _mm256_set1_epi32(ld32(xq + 8 * q + 4))));
                 __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p[0], pa), _mm256_madd_epi16(p[1], pa)),
                                                _mm256_add_epi32(_mm256_madd_epi16(p[2], pb), _mm256_madd_epi16(p[3], pb)));
-                const uint32_t xs2 = ((uint32_t)xs[0] & 0xffffu) | ((uint32_t)xs[1] << 16);
-                s32 = _mm256_sub_epi32(s32, _mm256_slli_epi32(_mm256_madd_epi16(pab, _mm256_set1_epi32((int)xs2)), 5));
+                s32 = _mm256_sub_epi32(s32, _mm256_slli_epi32(_mm256_madd_epi16(pab, _mm256_set1_epi32(xs2)), 5));
                 isum[j] = _mm256_add_epi32(isum[j], s32);
             }
         }
