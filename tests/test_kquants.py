@@ -298,7 +298,7 @@ def test_x8_layout_round_trips_the_bytes(name):
 
 
 @pytest.mark.parametrize("name", ALL)
-@pytest.mark.parametrize("T", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 7, 19, 37])  # 19, 37: the tiles of 16 and 32 tokens, then 4, 3, 1
 def test_x8_products_equal_reference_and_row_layout(lib, threads, name, T):
     n, k = shape(name, True)
     w = make(name, n - n % 8, k, 10 + T)
