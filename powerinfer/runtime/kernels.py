@@ -19,11 +19,13 @@ f16 or bf16 bytes kept in the file's memory map) and computes on it in place wit
 product (as ggml does: blocks of 32, or q8_K's blocks of 256 for Q4_K/Q5_K/Q6_K) and sum integers
 per block (per 256-value super-block for the K-quants); f16 rows convert to fp32 in registers
 (F16C), bf16 rows by a 16-bit shift. :class:`SparseFFNCall` runs one token's whole sparse
-FFN (predictor, selection, rows, down) in one call (``sparse_ffn.c``). Prompts of
-more than :data:`QGEMM_MAX_T` tokens dequantize :data:`TILE_ROWS` rows at a time to fp32
-and use torch matmuls (compute-bound there) on the activation rounded as the kernels round
-it, so prompt and decode give the same numbers; :func:`matmul` does ``hidden @ down_t``
-that way, :func:`embed` looks up token rows.
+FFN (predictor, selection, rows, down) in one call (``sparse_ffn.c``). Dense matrices in the
+``x8`` layout (every dense product of a Q4_0/Q8_0/Q5_0/Q5_1/K-quant file) run the integer C
+kernels at every token count (tiles of up to 4 tokens, 32 for the K-quants). Row-layout matrices
+with prompts of more than :data:`QGEMM_MAX_T` tokens dequantize :data:`TILE_ROWS` rows at a time
+to fp32 and use torch matmuls on the activation rounded as the kernels round it, so prompt and
+decode give the same numbers; :func:`matmul` does ``hidden @ down_t`` that way, :func:`embed`
+looks up token rows.
 
 Two backends:
 
@@ -41,8 +43,7 @@ Two backends:
 
 ``set_backend("auto")`` (the default) uses ``c`` when it builds and loads, else
 ``torch``; the environment variable ``POWERINFER_KERNELS`` (``auto``/``c``/``torch``)
-sets the default. Prompt processing (several tokens) always uses torch matmuls,
-which are compute-bound there.
+sets the default. The ``torch`` backend processes prompts with torch matmuls.
 
 Shapes: ``x`` ``[T, K]``; ``w`` ``[N, K]`` (torch ``Linear`` layout); ``idx``
 LongTensor ``[k]`` of row numbers, ascending.

@@ -1300,8 +1300,9 @@ static void x8_range(int qt, const uint8_t *W, int64_t nb, int64_t N, acts_t a, 
  * 4 broadcast activation bytes (no horizontal sums), as the Q4_0/Q8_0 x8 kernel does.
  * Q4_K/Q5_K chunks: 0 (d, dmin), 1-3 (the packed 6-bit scales and mins), Q5_K 4-11 (qh), then
  * 32 of qs. Q6_K chunks: 0-31 ql, 32-47 qh, 48-51 the int8 scales, then the 8 d.
- * Per row the super-block's sums are those of dot_q4_K/_q5_K/_q6_K (exact integer sums per 32
- * values, the same scales), summed in another float order: equal within float32 rounding. */
+ * Per row the super-block's integer sums are those of dot_q4_K/_q5_K/_q6_K (exact, over the whole
+ * super-block with the scales and mins, on the q8_K activation), scaled by d dy once per super-block
+ * and summed in another float order: equal within float32 rounding. */
 
 /* row i of an x8 block of type qt (head: the leading bytes per row) back into ggml's block bytes */
 static inline void x8_row_bytes(int qt, const uint8_t *blk, int i, uint8_t *out) {
