@@ -184,12 +184,14 @@ def child(path: str, threads: int, n_prompt: int, n_gen: int, dtype: str) -> Non
     n_vocab = int(model.tok_embd.shape[0])
     ids = [bos] + [rng.randrange(n_vocab) for _ in range(max(n_prompt, 16) - 1)]
     generate(model, ids[:16], 2, greedy)  # warm-up: every weight paged in, kernels built
+    c0 = time.process_time()  # the timed phases' CPU seconds (--cpu-time): loading varies by seconds
     pp = generate(model, ids[:n_prompt], 1, greedy) if n_prompt else None
     tg = generate(model, [bos], n_gen + 1, greedy) if n_gen else None
+    phase_cpu = time.process_time() - c0
     if tg is not None and tg.n_eval != n_gen:
         raise SystemExit(f"decode ran {tg.n_eval} steps, not {n_gen}")
     print(json.dumps({"decode_tps": tg.gen_tps if tg else None, "prompt_tps": pp.prompt_tps if pp else None,
-                      "load_s": round(t_load, 2), "dtype": str(model.dtype).removeprefix("torch."),
+                      "load_s": round(t_load, 2), "phase_cpu_s": phase_cpu, "dtype": str(model.dtype).removeprefix("torch."),
                       "kernels": kernels.backend(), "threads": torch.get_num_threads(),
                       "kv_dtype": str(model.cache.k.dtype).removeprefix("torch.")}))
 
@@ -283,7 +285,9 @@ def _cpu_rate(engine, runs_of, n0: int, n1: int, prompt: bool, timeout: float) -
     for n in (n0, n1):
         res = runs_of()
         engine.run(res, n if prompt else 0, 0 if prompt else n, timeout, warmup=not prompt)
-        cpu.append(None if res.error else res.cpu_s)
+        # pi-run: the CPU seconds of its timed phases (its load re-lays weights out in numpy and varies
+        # by seconds between runs); llama.cpp: the whole process (its load maps the file)
+        cpu.append(None if res.error else res.extra.get("phase_cpu_s", res.cpu_s))
     return (n1 - n0) / (cpu[1] - cpu[0]) if None not in cpu and cpu[1] > cpu[0] else None
 
 
@@ -291,7 +295,7 @@ def cpu_time_table(runs, engines, n_gen: int, n_prompt: int, timeout: float) -> 
     """Tokens per CPU-second at 1 thread, which other processes on the machine barely change (they
     take wall time, not this process's CPU time): for each engine and file, the CPU seconds of a
     process generating ``16 + n_gen`` tokens minus one generating 16 (no prompt; loading and warm-up
-    cancel out), ``n_gen`` divided by that; with ``n_prompt`` > 16 also a process processing an
+    cancel out; pi-run's timed phases only, see _cpu_rate), ``n_gen`` divided by that; with ``n_prompt`` > 16 also a process processing an
     ``n_prompt``-token prompt minus one processing 16 (llama-bench ``--no-warmup``, pi-run's warm-up
     is the same 16-token step in both)."""
     lines = ["| type | layers | engine, file | decode tok per CPU-s | vs llama.cpp | prompt tok per CPU-s | "
