@@ -307,9 +307,10 @@ def cpu_time_table(runs, engines, n_gen: int, n_prompt: int, timeout: float) -> 
         tg = _cpu_rate(engines[engine], runs_of, 16, 16 + n_gen, False, timeout) if n_gen else None
         pp = _cpu_rate(engines[engine], runs_of, 16, n_prompt, True, timeout) if n_prompt > 16 else None
         got[(t, depth, engine)] = (tg, pp)
-        fmt = lambda v: f"{v:.2f}" if v else "failed"  # noqa: E731
-        print(f"  cpu-time {depth}L {LABEL[t]:<6} {engine:<24} decode {fmt(tg)} tok/CPU-s, prompt {fmt(pp)} tok/CPU-s",
-              flush=True)
+        def fmt(v, asked):
+            return f"{v:.2f} tok/CPU-s" if v else "failed" if asked else "-"
+        print(f"  cpu-time {depth}L {LABEL[t]:<6} {engine:<24} decode {fmt(tg, n_gen)}, "
+              f"prompt {fmt(pp, n_prompt > 16)}", flush=True)
     for (t, depth, engine), (tg, pp) in got.items():
         ref = got.get((t, depth, "llama.cpp"), (None, None))
         f = next(r[3] for r in runs if r[:3] == (engine, t, depth))
