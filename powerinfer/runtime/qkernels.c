@@ -1337,7 +1337,7 @@ static inline __attribute__((always_inline)) void x8k45_sub(const uint8_t *blk, 
                                                             __m256i slo, __m256i shi, acts_t a, int64_t K, int64_t t0,
                                                             int64_t sb, const int rn, const int h5, const int k,
                                                             __m256i *isum) {
-    const __m256i m4 = _mm256_set1_epi8(0x0f), one8 = _mm256_set1_epi8(1), lo8 = _mm256_set1_epi32(0xff);
+    const __m256i m4 = _mm256_set1_epi8(0x0f), b10 = _mm256_set1_epi8(0x10), lo8 = _mm256_set1_epi32(0xff);
     const uint8_t *qh = blk + 128;
     x8k_prefetch(blk, gb, k);
     const int c = k / 2, h = k % 2;
@@ -1346,9 +1346,11 @@ static inline __attribute__((always_inline)) void x8k45_sub(const uint8_t *blk, 
     for (int jj = 0; jj < 8; jj++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * (8 * c + jj)));
         w[jj] = h ? _mm256_and_si256(_mm256_srli_epi16(v, 4), m4) : _mm256_and_si256(v, m4);
-        if (h5) {
+        if (h5) {  /* bit k of each qh byte to bit 4: one shift and one mask (a 16-bit shift's carry between
+                    * bytes lands outside bit 4 for shifts up to 4 left and 3 right) */
             const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * jj));
-            w[jj] = _mm256_or_si256(w[jj], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, k), one8), 4));
+            const __m256i hs = k < 4 ? _mm256_slli_epi16(hb, 4 - k) : k == 4 ? hb : _mm256_srli_epi16(hb, k - 4);
+            w[jj] = _mm256_or_si256(w[jj], _mm256_and_si256(hs, b10));
         }
     }
 #pragma GCC unroll 4
@@ -1398,11 +1400,11 @@ static inline __attribute__((always_inline)) void x8k45_tile(const uint8_t *base
         __m256i isum[X8K_TW];
         for (int j = 0; j < rn; j++) isum[j] = _mm256_setzero_si256();
         const uint8_t *qs = blk + 32 * (h5 ? 12 : 4);
-        if (h5) {  /* Q5_K: unrolled, this loop spills (measured 0.91x of the rolled one at 16-64 tokens) */
+        if (h5 && rn > 1) {  /* Q5_K: unrolled, this loop spills (measured 0.91x of the rolled one at 16-64 tokens) */
             for (int k = 0; k < 8; k++) x8k45_sub(blk, gb, qs, slo, shi, a, K, t0, sb, rn, 1, k, isum);
-        } else {  /* Q4_K: unrolled, constant shifts and offsets (1.42x at 1 token, 1.14x at 64) */
+        } else {  /* Q4_K, and Q5_K at 1 token: unrolled, constant shifts and offsets (Q4_K 1.42x at 1 token, 1.14x at 64) */
 #pragma GCC unroll 8
-            for (int k = 0; k < 8; k++) x8k45_sub(blk, gb, qs, slo, shi, a, K, t0, sb, rn, 0, k, isum);
+            for (int k = 0; k < 8; k++) x8k45_sub(blk, gb, qs, slo, shi, a, K, t0, sb, rn, h5, k, isum);
         }
 #pragma GCC unroll 4
         for (int j = 0; j < rn; j++) {
