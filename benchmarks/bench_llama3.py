@@ -115,9 +115,9 @@ class LlamaBench:
         self.binary = binary
         self.env = {**os.environ, "LD_LIBRARY_PATH": f"{binary.parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
 
-    def run(self, res: Result, n_prompt: int, n_gen: int, timeout: float) -> None:
+    def run(self, res: Result, n_prompt: int, n_gen: int, timeout: float, warmup: bool = True) -> None:
         cmd = [str(self.binary), "-m", res.file, "-p", str(n_prompt), "-n", str(n_gen), "-t", str(res.threads),
-               "-r", "1", "-o", "json"]
+               "-r", "1", "-o", "json"] + ([] if warmup else ["--no-warmup"])
         env = {**self.env, "OMP_NUM_THREADS": str(res.threads)}
         rc, out, err, rss, wall, cpu = run_child(cmd, env, timeout)
         res.peak_rss, res.wall_s, res.cpu_s = rss, wall, cpu
@@ -150,7 +150,8 @@ class PiRun:
             cc.chmod(0o755)
             self.env.update(AVX2_ENV, CC=str(cc))
 
-    def run(self, res: Result, n_prompt: int, n_gen: int, timeout: float) -> None:
+    def run(self, res: Result, n_prompt: int, n_gen: int, timeout: float, warmup: bool = True) -> None:
+        # (warmup: the child's warm-up is always the same 16-token step, whatever the prompt)
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", res.file, "--threads", str(res.threads),
                "-p", str(n_prompt), "-n", str(n_gen), "--dtype", self.dtype]
         env = {**self.env, "OMP_NUM_THREADS": str(res.threads)}
@@ -183,12 +184,14 @@ def child(path: str, threads: int, n_prompt: int, n_gen: int, dtype: str) -> Non
     n_vocab = int(model.tok_embd.shape[0])
     ids = [bos] + [rng.randrange(n_vocab) for _ in range(max(n_prompt, 16) - 1)]
     generate(model, ids[:16], 2, greedy)  # warm-up: every weight paged in, kernels built
+    c0 = time.process_time()  # the timed phases' CPU seconds (--cpu-time): loading varies by seconds
     pp = generate(model, ids[:n_prompt], 1, greedy) if n_prompt else None
     tg = generate(model, [bos], n_gen + 1, greedy) if n_gen else None
+    phase_cpu = time.process_time() - c0
     if tg is not None and tg.n_eval != n_gen:
         raise SystemExit(f"decode ran {tg.n_eval} steps, not {n_gen}")
     print(json.dumps({"decode_tps": tg.gen_tps if tg else None, "prompt_tps": pp.prompt_tps if pp else None,
-                      "load_s": round(t_load, 2), "dtype": str(model.dtype).removeprefix("torch."),
+                      "load_s": round(t_load, 2), "phase_cpu_s": phase_cpu, "dtype": str(model.dtype).removeprefix("torch."),
                       "kernels": kernels.backend(), "threads": torch.get_num_threads(),
                       "kv_dtype": str(model.cache.k.dtype).removeprefix("torch.")}))
 
@@ -275,28 +278,46 @@ def tables(results: list[Result]) -> str:
     return "\n".join(out) + "\n"
 
 
-def cpu_time_table(runs, engines, n_gen: int, timeout: float) -> str:
-    """Decode tokens per CPU-second at 1 thread, which other processes on the machine barely
-    change (they take wall time, not this process's CPU time): for each engine and file, the CPU
-    seconds of a process generating ``16 + n_gen`` tokens minus one generating 16 (no prompt;
-    loading and warm-up cancel out), ``n_gen`` divided by that."""
-    lines = ["| type | layers | engine, file | decode tok per CPU-s | vs llama.cpp |", "|---|--:|---|--:|--:|"]
+def _cpu_rate(engine, runs_of, n0: int, n1: int, prompt: bool, timeout: float) -> float | None:
+    """Tokens per CPU-second of ``engine`` at 1 thread between a process doing ``n0`` and one doing
+    ``n1`` tokens (prompt tokens with ``prompt``, else generated ones), or None when a run failed."""
+    cpu = []
+    for n in (n0, n1):
+        res = runs_of()
+        engine.run(res, n if prompt else 0, 0 if prompt else n, timeout, warmup=not prompt)
+        # pi-run: the CPU seconds of its timed phases (its load re-lays weights out in numpy and varies
+        # by seconds between runs); llama.cpp: the whole process (its load maps the file)
+        cpu.append(None if res.error else res.extra.get("phase_cpu_s", res.cpu_s))
+    return (n1 - n0) / (cpu[1] - cpu[0]) if None not in cpu and cpu[1] > cpu[0] else None
+
+
+def cpu_time_table(runs, engines, n_gen: int, n_prompt: int, timeout: float) -> str:
+    """Tokens per CPU-second at 1 thread, which other processes on the machine barely change (they
+    take wall time, not this process's CPU time): for each engine and file, the CPU seconds of a
+    process generating ``16 + n_gen`` tokens minus one generating 16 (no prompt; loading and warm-up
+    cancel out; pi-run's timed phases only, see _cpu_rate), ``n_gen`` divided by that; with ``n_prompt`` > 16 also a process processing an
+    ``n_prompt``-token prompt minus one processing 16 (llama-bench ``--no-warmup``, pi-run's warm-up
+    is the same 16-token step in both)."""
+    lines = ["| type | layers | engine, file | decode tok per CPU-s | vs llama.cpp | prompt tok per CPU-s | "
+             "vs llama.cpp |", "|---|--:|---|--:|--:|--:|--:|"]
     got: dict = {}
     for engine, t, depth, f in runs:
-        cpu = []
-        for n in (16, 16 + n_gen):
-            res = Result(engine, t, depth, 1, 0, str(f), f.stat().st_size)
-            engines[engine].run(res, 0, n, timeout)
-            cpu.append(None if res.error else res.cpu_s)
-        tps = n_gen / (cpu[1] - cpu[0]) if None not in cpu and cpu[1] > cpu[0] else None
-        got[(t, depth, engine)] = tps
-        print(f"  cpu-time {depth}L {LABEL[t]:<6} {engine:<24} " + (f"{tps:.2f} tok/CPU-s" if tps else "failed"),
-              flush=True)
-    for (t, depth, engine), tps in got.items():
-        ref = got.get((t, depth, "llama.cpp"))
+        def runs_of():
+            return Result(engine, t, depth, 1, 0, str(f), f.stat().st_size)
+        tg = _cpu_rate(engines[engine], runs_of, 16, 16 + n_gen, False, timeout) if n_gen else None
+        pp = _cpu_rate(engines[engine], runs_of, 16, n_prompt, True, timeout) if n_prompt > 16 else None
+        got[(t, depth, engine)] = (tg, pp)
+        def fmt(v, asked):
+            return f"{v:.2f} tok/CPU-s" if v else "failed" if asked else "-"
+        print(f"  cpu-time {depth}L {LABEL[t]:<6} {engine:<24} decode {fmt(tg, n_gen)}, "
+              f"prompt {fmt(pp, n_prompt > 16)}", flush=True)
+    for (t, depth, engine), (tg, pp) in got.items():
+        ref = got.get((t, depth, "llama.cpp"), (None, None))
         f = next(r[3] for r in runs if r[:3] == (engine, t, depth))
-        lines.append(f"| {LABEL[t]} | {depth} | {engine}, {f.name} | {f'{tps:.2f}' if tps else 'failed'} | "
-                     + (f"{tps / ref:.2f}x |" if tps and ref else "- |"))
+        cells = []
+        for v, r in ((tg, ref[0]), (pp, ref[1])):
+            cells += [f"{v:.2f}" if v else "-", f"{v / r:.2f}x" if v and r else "-"]
+        lines.append(f"| {LABEL[t]} | {depth} | {engine}, {f.name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -320,7 +341,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", type=Path, default=None, help="raw results (default DIR/bench-<UTC>.json)")
     ap.add_argument("--cpu-time", action="store_true",
                     help="instead: decode tokens per CPU-second at 1 thread (two runs of 16 and 16 + N tokens "
-                         "per engine and file), robust to other processes on the machine")
+                         "per engine and file; with -p P > 16 also prompt tokens, runs of 16 and P prompt tokens), "
+                         "robust to other processes on the machine")
     ap.add_argument("--report", type=Path, default=None, help="print the tables of a saved --json file and exit")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -348,9 +370,9 @@ def main(argv: list[str] | None = None) -> None:
     engines = {"llama.cpp": LlamaBench(a.llama_bench), "pi-run": PiRun(dtype=a.dtype),
                "pi-run, llama.cpp's file": PiRun(dtype=a.dtype), "pi-run avx2": PiRun(avx2=True)}
     if a.cpu_time:
-        print(f"decode tokens per CPU-second, 1 thread, {a.n_gen} tokens by difference; load average "
-              f"{load_avg1():.2f}", flush=True)
-        print(cpu_time_table(runs, engines, a.n_gen, a.timeout))
+        print(f"tokens per CPU-second, 1 thread, by difference: decode {a.n_gen} tokens, prompt {a.n_prompt} - 16; "
+              f"load average {load_avg1():.2f}", flush=True)
+        print(cpu_time_table(runs, engines, a.n_gen, a.n_prompt, a.timeout))
         return
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     jpath = a.json or a.dir / f"bench-{stamp}.json"

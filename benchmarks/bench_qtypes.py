@@ -53,19 +53,28 @@ def random_weight(name: str, n: int, k: int, seed: int = 0) -> QWeight:
     return QWeight(torch.from_numpy(raw), bt, n, k)
 
 
-def load_builds(avx2: bool) -> dict:
+def _haswell_build(qsource: Path | None = None):
+    """The AVX2-only build, of ``qsource`` in place of ``qkernels.c`` when given."""
+    saved, saved_src = os.environ.get("POWERINFER_MARCH"), kernels.QSOURCE
+    os.environ["POWERINFER_MARCH"] = "haswell"
+    kernels.QSOURCE = qsource or saved_src
+    try:
+        return kernels._build()
+    finally:
+        kernels.QSOURCE = saved_src
+        if saved is None:
+            os.environ.pop("POWERINFER_MARCH")
+        else:
+            os.environ["POWERINFER_MARCH"] = saved
+
+
+def load_builds(avx2: bool, others: list[Path] = ()) -> dict:
     kernels.set_backend("c")
     builds = {"native": kernels._state["lib"]}
     if avx2:
-        saved = os.environ.get("POWERINFER_MARCH")
-        os.environ["POWERINFER_MARCH"] = "haswell"
-        try:
-            builds["avx2"] = kernels._build()
-        finally:
-            if saved is None:
-                os.environ.pop("POWERINFER_MARCH")
-            else:
-                os.environ["POWERINFER_MARCH"] = saved
+        builds["avx2"] = _haswell_build()
+    for i, src in enumerate(others):  # another qkernels.c (e.g. an older commit's), AVX2 build, same ABI
+        builds[f"other{i}"] = _haswell_build(src)
     return builds
 
 
@@ -79,9 +88,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=5, help="interleaved rounds")
     ap.add_argument("--calls", type=int, default=5, help="calls per round (best counts)")
     ap.add_argument("--no-avx2", dest="avx2", action="store_false", help="only the -march=native build")
+    ap.add_argument("--other", type=Path, nargs="*", default=[],
+                    help="other qkernels.c sources (e.g. `git show REV:powerinfer/runtime/qkernels.c > old.c`), "
+                         "built AVX2-only and interleaved as builds other0, other1, ...")
+    ap.add_argument("--no-native", dest="native", action="store_false", help="leave the -march=native build out")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
-    builds = load_builds(a.avx2)
+    builds = load_builds(a.avx2, a.other)
+    if not a.native:
+        builds.pop("native")
     ws = {}
     for t in a.types:
         w = random_weight(t, a.n, a.k)
@@ -103,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
                             kernels.linear(x[T], w)
                             best = min(best, clock() - t0)
                         times.setdefault((nt, bname, T, t), []).append(best)
-    kernels._state["lib"] = builds["native"]
+    kernels._state["lib"] = next(iter(builds.values()))
     rows = []
     print(f"[{a.n} x {a.k}] products, median of {a.reps} interleaved rounds (best of {a.calls} calls each); "
           f"load {os.getloadavg()[0]:.1f}")

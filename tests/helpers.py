@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"  # the real files the tests read: sources, licences, sha256 in its README.md
@@ -176,3 +178,20 @@ def entries_batched(model, prompts, n, mode, per_step=3):
             logits[b].append(lg)
             toks[b].append(int(lg.argmax()))
     return toks, [torch.stack(lg) for lg in logits], dec
+
+
+def q8_K(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ggml's quantize_row_q8_K_ref rounds it (the K-quant kernels' activation), written
+    from its definition in numpy float32: per block of 256, ``max`` the first value of largest
+    magnitude, ``iscale = -127 / max``, ``q = min(127, nearest_int(iscale * x))`` (round half to
+    even: the 1.5 * 2**23 trick), ``d = 1 / iscale``; an all-zero block stays zero."""
+    b = x.float().numpy().reshape(-1, 256)
+    out = np.zeros_like(b)
+    for i, row in enumerate(b):
+        j = int(np.argmax(np.abs(row)))  # the first of the largest
+        if row[j] == 0:
+            continue
+        iscale = np.float32(-127.0) / row[j]
+        v = (iscale * row + np.float32(12582912.0)) - np.float32(12582912.0)  # fp32 adds: nearest even
+        out[i] = np.minimum(np.float32(127), v) * (np.float32(1.0) / iscale)
+    return torch.from_numpy(out.reshape(x.shape))

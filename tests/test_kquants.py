@@ -4,8 +4,9 @@ Every kernel op (dense product of one and of several tokens, gate/up rows, down 
 dequantized) on Q5_K and on the 32-value types llama.cpp's quantizer writes into those files
 for rows that are not a multiple of 256 values (Q5_0 for Q4_K, Q5_1 for Q5_K), and on Q4_K and
 Q6_K (whose AVX2 products sum a super-block's sub-blocks as one vector), against ``gguf``'s
-numpy dequantizers: products equal ``x @ dequant(w).T`` in float64, ``x`` rounded to 8-bit
-blocks of 32 as the kernels round it, within float32 summation error; conversions bit for bit.
+numpy dequantizers: products equal ``x @ dequant(w).T`` in float64, ``x`` rounded as the kernels
+round it (ggml's q8_K, blocks of 256, for Q4_K/Q5_K/Q6_K, as llama.cpp's vec_dot; 8-bit blocks of
+32 for Q5_0/Q5_1), within float32 summation error; conversions bit for bit.
 Native (AVX2) and portable scalar builds (the ``lib`` fixture), one and two threads, row counts
 and block counts that leave tails for every unrolled loop.
 
@@ -26,6 +27,8 @@ from gguf import GGMLQuantizationType as QT, quants
 from powerinfer.errors import PowerInferError
 from powerinfer.quant.qweight import MAPPED_TYPES, QWeight
 from powerinfer.runtime import kernels
+
+from helpers import q8_K
 
 NEW = ["Q5_0", "Q5_1", "Q5_K"]
 K_TYPES = ["Q4_K", "Q5_K", "Q6_K"]
@@ -50,14 +53,19 @@ def make(name: str, n: int, k: int, seed: int = 0) -> QWeight:
 
 
 def q8(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as the kernels see it: 8-bit blocks of 32, scale amax/127 in fp32, round half to even."""
+    """``x`` as the Q5_0/Q5_1 kernels see it: 8-bit blocks of 32, scale amax/127 in fp32, round half to even."""
     b = x.float().reshape(-1, 32)
     d = b.abs().amax(1, keepdim=True) / 127
     return (torch.round(b * torch.where(d != 0, 1 / d, torch.zeros_like(d))) * d).reshape(x.shape)
 
 
+def act(name: str, x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the products on ``name`` weights round it (ggml's q8_K for the K-quants)."""
+    return q8_K(x) if name in K_TYPES else q8(x)
+
+
 def ref_dense(w: QWeight, x: torch.Tensor) -> torch.Tensor:
-    return q8(x).double() @ w.dequantize().double().T
+    return act(w.btype.name, x).double() @ w.dequantize().double().T
 
 
 def close(got: torch.Tensor, want: torch.Tensor, rel: float = 3e-6) -> None:
@@ -290,7 +298,7 @@ def test_x8_layout_round_trips_the_bytes(name):
 
 
 @pytest.mark.parametrize("name", ALL)
-@pytest.mark.parametrize("T", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 7, 19, 37])  # 19, 37: the tiles of 16 and 32 tokens, then 4, 3, 1
 def test_x8_products_equal_reference_and_row_layout(lib, threads, name, T):
     n, k = shape(name, True)
     w = make(name, n - n % 8, k, 10 + T)
@@ -338,9 +346,15 @@ KQ = Path(__file__).parent / "data" / "kquant"
 def test_llamacpp_k_quant_files_run_in_place_and_give_its_perplexity(c_kernels, tmp_path, name, types):
     """llama.cpp's quantizer wrote these from a tiny SiLU Llama with n_embd 160 (not a multiple of 256,
     as Qwen2.5-0.5B's 896): Q4_K_M/Q5_K_M with the fallback types for those rows. Every matrix runs in
-    its own bytes, and the perplexity equals llama-perplexity's on the same text within 0.5% (measured
-    0.16% and 0.32%; quantizing moved it 2.7% and 3.0% from the f32 model's: the engines round the
-    activation differently, q8_K / q8_1 blocks with fp16 scales there, q8 blocks of 32 here)."""
+    its own bytes, and the perplexity equals llama-perplexity's on the same text within 0.5%.
+
+    Against ``-fa off`` (measured -0.22% and +0.28%; against the default flash attention -0.48% and
+    +0.22%). Not within 0.1%: this random model turns any rounding difference into a perplexity
+    shift (quantizing moved it 2.7% and 3.0% from the f32 model's), and llama.cpp's own figure for
+    these same bytes moves 0.27% and 0.06% between its two attention paths (f16 rounding of the
+    query and softmax weights, or an f16 V accumulator), where an f32 tiny Llama moves 0.01%. Our
+    K-quant products round the activation as ggml's (q8_K); its Q5_0/Q8_0/Q5_1 products (q8_0/q8_1
+    with fp16 scales) and attention round in ways ours do not."""
 
     from powerinfer.eval.perplexity import chunk_tokens, perplexity
     from powerinfer.formats.gguf_file import open_gguf
@@ -362,5 +376,6 @@ def test_llamacpp_k_quant_files_run_in_place_and_give_its_perplexity(c_kernels, 
     tok = GGUFTokenizer(g)  # as pi-perplexity: BOS first, and in place of each chunk's first token
     chunks = chunk_tokens(tok.encode(text), ref["ctx"], None, tok.bos_id if tok.add_bos else None)
     res = perplexity(m, chunks)
-    assert len(res.chunk_ppl) == len(ref[name]["chunks"])
-    assert abs(res.ppl / ref[name]["ppl"] - 1) <= 0.005, (res.ppl, ref[name]["ppl"])
+    want = ref[f"{name} -fa off"]
+    assert len(res.chunk_ppl) == len(want["chunks"])
+    assert abs(res.ppl / want["ppl"] - 1) <= 0.005, (res.ppl, want["ppl"])

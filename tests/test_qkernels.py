@@ -16,6 +16,8 @@ from gguf import GGMLQuantizationType as QT, quants
 from powerinfer.quant.qweight import MAPPED_TYPES, QWeight
 from powerinfer.runtime import kernels
 
+from helpers import q8_K
+
 Q8_ACT = ("Q4_0", "Q8_0", "Q4_K", "Q6_K")  # types whose products quantize the activation
 
 
@@ -59,8 +61,8 @@ def q8_round_trip(x: torch.Tensor) -> torch.Tensor:
 
 
 def reference(w: QWeight, x: torch.Tensor) -> torch.Tensor:
-    """``x @ dequant(w).T`` in float64, ``x`` rounded as the kernel rounds it."""
-    xr = q8_round_trip(x) if w.btype.name in Q8_ACT else x.float()
+    """``x @ dequant(w).T`` in float64, ``x`` rounded as the kernel rounds it (ggml's q8_K for the K-quants)."""
+    xr = (q8_K(x) if w.btype.name in ("Q4_K", "Q6_K") else q8_round_trip(x)) if w.btype.name in Q8_ACT else x.float()
     return xr.double() @ w.dequantize().double().T
 
 

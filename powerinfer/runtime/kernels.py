@@ -16,13 +16,16 @@ speed limit is the bytes of weights read per token. Three operations cover it:
 Each op also takes a :class:`powerinfer.quant.qweight.QWeight` (Q4_0, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K,
 f16 or bf16 bytes kept in the file's memory map) and computes on it in place with
 ``qkernels.c``: block-quantized products quantize the activation to 8-bit blocks once per
-product (as ggml does) and sum integers per block; f16 rows convert to fp32 in registers
+product (as ggml does: blocks of 32, or q8_K's blocks of 256 for Q4_K/Q5_K/Q6_K) and sum integers
+per block (per 256-value super-block for the K-quants); f16 rows convert to fp32 in registers
 (F16C), bf16 rows by a 16-bit shift. :class:`SparseFFNCall` runs one token's whole sparse
-FFN (predictor, selection, rows, down) in one call (``sparse_ffn.c``). Prompts of
-more than :data:`QGEMM_MAX_T` tokens dequantize :data:`TILE_ROWS` rows at a time to fp32
-and use torch matmuls (compute-bound there) on the activation rounded as the kernels round
-it, so prompt and decode give the same numbers; :func:`matmul` does ``hidden @ down_t``
-that way, :func:`embed` looks up token rows.
+FFN (predictor, selection, rows, down) in one call (``sparse_ffn.c``). Dense matrices in the
+``x8`` layout (every dense product of a Q4_0/Q8_0/Q5_0/Q5_1/K-quant file) run the integer C
+kernels at every token count (tiles of up to 4 tokens, 32 for the K-quants). Row-layout matrices
+with prompts of more than :data:`QGEMM_MAX_T` tokens dequantize :data:`TILE_ROWS` rows at a time
+to fp32 and use torch matmuls on the activation rounded as the kernels round it, so prompt and
+decode give the same numbers; :func:`matmul` does ``hidden @ down_t`` that way, :func:`embed`
+looks up token rows.
 
 Two backends:
 
@@ -40,8 +43,7 @@ Two backends:
 
 ``set_backend("auto")`` (the default) uses ``c`` when it builds and loads, else
 ``torch``; the environment variable ``POWERINFER_KERNELS`` (``auto``/``c``/``torch``)
-sets the default. Prompt processing (several tokens) always uses torch matmuls,
-which are compute-bound there.
+sets the default. The ``torch`` backend processes prompts with torch matmuls.
 
 Shapes: ``x`` ``[T, K]``; ``w`` ``[N, K]`` (torch ``Linear`` layout); ``idx``
 LongTensor ``[k]`` of row numbers, ascending.
@@ -271,7 +273,7 @@ def _q_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
         _state["lib"].pi_q_gemm(_QT[w.btype.name], w.raw.data_ptr(), N, K, xf.data_ptr(), T, y.data_ptr())
         return y
     if w.btype.name in Q8_ACT:  # the activation rounded as the kernels round it, so
-        xf = q8_round_trip(xf)  # a prompt gives the numbers token-by-token decoding gives
+        xf = q8_round_trip(xf, w.btype.name)  # a prompt gives the numbers token-by-token decoding gives
     y = torch.empty(T, N, dtype=torch.float32)
     for r0 in range(0, N, TILE_ROWS):
         r1 = min(N, r0 + TILE_ROWS)
@@ -279,9 +281,23 @@ def _q_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     return y
 
 
-def q8_round_trip(x: torch.Tensor) -> torch.Tensor:
-    """fp32 ``x`` ``[..., K]`` (``K`` a multiple of 32) as Q4_0/Q8_0 products see it: 8-bit
-    blocks of 32, scale ``amax / 127`` in fp32, values rounded to nearest even."""
+K_ACT = ("Q4_K", "Q5_K", "Q6_K")  # products round the activation to ggml's q8_K (blocks of 256)
+
+
+def q8_round_trip(x: torch.Tensor, type_name: str = "Q8_0") -> torch.Tensor:
+    """fp32 ``x`` ``[..., K]`` as the products on weights of type ``type_name`` see it.
+
+    Q4_0/Q8_0/Q5_0/Q5_1 (``K`` a multiple of 32): 8-bit blocks of 32, scale ``amax / 127`` in
+    fp32, values rounded to nearest even. Q4_K/Q5_K/Q6_K (``K`` a multiple of 256): ggml's q8_K,
+    blocks of 256, ``iscale = 127 / amax``, scale ``1 / iscale`` (fp32 divisions), values
+    ``round(x * iscale)`` to nearest even."""
+    if type_name in K_ACT:
+        b = x.reshape(-1, 256)
+        amax = b.abs().amax(1, keepdim=True)
+        # (a tensor divided by a tensor: torch's ``127 / t`` multiplies by a reciprocal, one rounding more)
+        iscale = torch.where(amax != 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
+        d = torch.where(amax != 0, 1 / iscale, torch.zeros_like(amax))
+        return (torch.round(b * iscale) * d).reshape(x.shape)
     b = x.reshape(-1, 32)
     d = b.abs().amax(1, keepdim=True) / 127
     q = torch.round(b * torch.where(d != 0, 1 / d, torch.zeros_like(d)))
@@ -338,7 +354,7 @@ def rows_dot(x: torch.Tensor, idx: torch.Tensor, a, b=None,
                                         idx.data_ptr(), k, a.n_cols, xf.data_ptr(), ra.data_ptr(), _ptr(rb),
                                         float("-inf") if gmin is None else gmin)
             return ra, rb
-        xf = q8_round_trip(x.float()) if a.btype.name in Q8_ACT else x.float()
+        xf = q8_round_trip(x.float(), a.btype.name) if a.btype.name in Q8_ACT else x.float()
         return a.dequantize(rows=idx) @ xf, None if b is None else b.dequantize(rows=idx) @ xf
     if _c_ok(a, b) and (b is None or b.dtype == a.dtype):
         xw = x.to(a.dtype).contiguous()

@@ -16,11 +16,13 @@
  *   multiple of 256 values; Q8_0 stands for Q6_K there)
  *
  * Block-quantized products (every type above but F16, BF16) follow ggml: the activation vector is quantized once
- * per product to 8-bit blocks of 32 (scale amax/127, round to nearest even; the scale kept
- * in fp32; K-quants also take the sums of each 16 values), each block or sub-block product
- * is an exact integer sum scaled by the block scales, and block results are summed in fp32.
- * (ggml's K-quant products round the activation to 256-value blocks, q8_K; here every type
- * shares the 32-value blocks, so a K-quant product rounds it more finely than ggml does.)
+ * per product to 8-bit blocks, each block or sub-block product is an exact integer sum scaled by
+ * the block scales, and block results are summed in fp32. Q4_0, Q8_0, Q5_0, Q5_1: blocks of 32
+ * (scale amax/127 kept in fp32, round to nearest even; Q5_0/Q5_1 also take the sums of each 16
+ * values). Q4_K, Q5_K, Q6_K: ggml's q8_K, blocks of 256 (iscale = 127/amax, scale 1/iscale in fp32,
+ * q = round-to-nearest-even(x iscale), as ggml's quantize_row_q8_K_ref up to a sign that cancels
+ * in every product; the sums of each 16 values), and a super-block's products are summed in int32
+ * with the sub-block scales and mins, then scaled once in fp32 (d dy), as ggml's vec_dot_q*_K_q8_K.
  * F16 rows are converted to fp32 in registers (F16C) and BF16 rows by a 16-bit shift, then
  * dotted with the fp32 activation, so a 16-bit file is read at 2 bytes a weight.
  *
@@ -48,6 +50,9 @@ enum { QT_F16 = 2, QT_BF16 = 30, QT_Q4_0 = 10, QT_Q8_0 = 11, QT_Q4_K = 12, QT_Q6
 #define QKK 256
 #define PAR_MIN_BYTES (1 << 17) /* below this many weight bytes a call runs on the calling thread */
 #define X8_AHEAD 4096 /* bytes ahead prefetched in the 8-row kernel's stream */
+#define X8K_TW 32 /* K-quant prompts: tiles of up to 32 tokens (their sums in L1, each sub-block unpacked once for
+                   * them); 256x4096 in cache, 64 tokens, 1 thread, against tiles of 4: Q4_K 1.18x, Q5_K 1.34x, Q6_K
+                   * 1.40x (16: 1.14x, 1.34x, 1.32x; 8 less) */
 #ifndef ROWS_AHEAD
 #define ROWS_AHEAD 4 /* rows prefetched ahead in the sparse row passes (2, 4, 8 measured: 4) */
 #endif
@@ -191,6 +196,51 @@ static void quantize_q8(const float *x, int64_t K, int8_t *qs, float *d) {
         d[b] = db;
         for (int j = 0; j < QK; j++) qs[b * QK + j] = (int8_t)nearbyintf(xb[j] * id);
 #endif
+    }
+}
+
+/* x [K] f32 -> ggml's q8_K (K a multiple of 256): qs [K] int8, d [K/256] f32, s [K/16] the sums of
+ * each 16 qs. Per block of 256: iscale = 127/amax, d = 1/iscale (both fp32 divisions, as ggml's
+ * quantize_row_q8_K_ref; ggml takes the sign of the largest-magnitude value into iscale, which
+ * negates both q and d: every product d q is the same), q = round half to even of x iscale
+ * (|x iscale| <= 127 up to one rounding: no clamp needed); amax 0 gives d 0, q 0. */
+static void quantize_q8K(const float *x, int64_t K, int8_t *qs, float *d, int32_t *s) {
+    for (int64_t b = 0; b < K / QKK; b++) {
+        const float *xb = x + b * QKK;
+        int8_t *q = qs + b * QKK;
+        float amax = 0.f;
+#ifdef PI_AVX2
+        const __m256 sign = _mm256_set1_ps(-0.f);
+        __m256 m = _mm256_setzero_ps();
+        for (int j = 0; j < QKK; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + j)));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        amax = _mm_cvtss_f32(h);
+#else
+        for (int j = 0; j < QKK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+#endif
+        const float iscale = amax != 0.f ? 127.f / amax : 0.f;
+        d[b] = amax != 0.f ? 1.f / iscale : 0.f;
+#ifdef PI_AVX2
+        const __m256 vi = _mm256_set1_ps(iscale);
+        for (int j = 0; j < QKK; j += 32) {
+            __m256i i32[4];
+            for (int e = 0; e < 4; e++)
+                i32[e] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + j + 8 * e), vi),
+                                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            const __m256i p16 = _mm256_packs_epi32(i32[0], i32[1]), q16 = _mm256_packs_epi32(i32[2], i32[3]);
+            _mm256_storeu_si256((__m256i *)(q + j), _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16, q16),
+                                                                           _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        }
+#else
+        for (int j = 0; j < QKK; j++) q[j] = (int8_t)nearbyintf(xb[j] * iscale);
+#endif
+        for (int g = 0; g < QKK / 16; g++) {
+            int32_t v = 0;
+            for (int e = 0; e < 16; e++) v += q[16 * g + e];
+            s[b * (QKK / 16) + g] = v;
+        }
     }
 }
 
@@ -405,12 +455,13 @@ static inline __attribute__((always_inline)) void tile_q8(
 }
 #endif
 
-/* The activation as every kernel needs it: f32, plus its q8 blocks for Q4_0/Q8_0 weights. */
+/* The activation as every kernel needs it: f32, plus its 8-bit blocks for the block-quantized
+ * types (Q4_0/Q8_0/Q5_0/Q5_1: one scale per 32 values; Q4_K/Q5_K/Q6_K: q8_K, one per 256). */
 typedef struct {
     const float *x;
     const int8_t *xq;
     const float *xd;
-    const int32_t *xs;  /* sums of xq over each 16 values (K-quants, Q4_0) */
+    const int32_t *xs;  /* sums of xq over each 16 values (K-quants, Q5_0/Q5_1) */
 } act_t;
 
 #ifdef PI_AVX2
@@ -461,10 +512,17 @@ static inline __m256i dot_u8i8(__m256i u, const int8_t *x) {
 }
 #endif
 
-/* Q4_K (h5 0) and Q5_K (h5 1) row . q8 activation: sub-block k of 32 values (scale s_k, min m_k,
- * 4- or 5-bit q) meets q8 block k of the activation: d s_k dx_k sum(q qx) - dmin m_k dx_k sum(qx),
- * integer sums exact. AVX2: a super-block's 8 sub-block sums as one int32 vector, scaled and
- * summed in one FMA (and the mins in another), lane k for sub-block k. */
+#ifdef PI_AVX2
+/* 8 int16 in each 128-bit half of v -> 16 copies of int16 number k (both halves hold the same 8) */
+static inline __m256i bcast16(__m256i v, const int k) { return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)((2 * k + 1) << 8 | 2 * k))); }
+#endif
+
+/* Q4_K (h5 0) and Q5_K (h5 1) row . q8_K activation: super-block sb (scale d, min scale dmin, 8
+ * sub-blocks of 32 with 6-bit scale s_k, min m_k, 4- or 5-bit q) against the activation's block
+ * (scale dy, 16-value sums xs): d dy sum_k s_k sum(q qy) - dmin dy sum_k m_k sum_k(qy), both sums
+ * over k exact in int32 (|.| <= 8 * 63 * 31 * 127 * 32), scaled once per super-block, as ggml's
+ * vec_dot_q4_K_q8_K. AVX2: vpmaddubsw pairs (|q qy + q qy| <= 7874) meet the scale s_k in
+ * vpmaddwd, one int32 vector per super-block. */
 static inline __attribute__((always_inline)) float dot_q45_K(const uint8_t *row, act_t a, int64_t nsb, const int h5) {
     const int64_t bb = h5 ? 176 : 144, qoff = h5 ? 48 : 16;
 #ifdef PI_AVX2
@@ -472,10 +530,13 @@ static inline __attribute__((always_inline)) float dot_q45_K(const uint8_t *row,
     const __m256i m4 = _mm256_set1_epi8(0x0f), one8 = _mm256_set1_epi8(1);
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *blk = row + sb * bb, *qs = blk + qoff;
-        const int64_t q0 = sb * 8;  /* the activation's first q8 block */
-        __m256i s8, m8, p[8];
+        const int8_t *xq = a.xq + sb * QKK;
+        __m256i s8, m8;
         k4_scales(blk + 4, &s8, &m8);
+        /* the 8 scales as int16 in each half: 2 x [s0..s7] */
+        const __m256i s16 = _mm256_broadcastsi128_si256(_mm_packs_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1)));
         __m256i hv = h5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+        __m256i isum = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
             __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
@@ -484,35 +545,39 @@ static inline __attribute__((always_inline)) float dot_q45_K(const uint8_t *row,
                 hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 1), one8), 4));
                 hv = _mm256_srli_epi16(hv, 2);
             }
-            p[2 * c] = dot_u8i8(lo, a.xq + (q0 + 2 * c) * QK);
-            p[2 * c + 1] = dot_u8i8(hi, a.xq + (q0 + 2 * c + 1) * QK);
+            const __m256i plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xq + 64 * c)));
+            const __m256i phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 64 * c + 32)));
+            isum = _mm256_add_epi32(isum, _mm256_add_epi32(_mm256_madd_epi16(plo, bcast16(s16, 2 * c)),
+                                                           _mm256_madd_epi16(phi, bcast16(s16, 2 * c + 1))));
         }
-        const __m256 dx = _mm256_loadu_ps(a.xd + q0);
-        const __m256i bs = _mm256_mullo_epi32(hsum8x8_i32(p), s8);
-        vacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bs), _mm256_mul_ps(_mm256_set1_ps(h2f(rd16(blk))), dx), vacc);
-        const __m256i ms = _mm256_mullo_epi32(pair_sums(a.xs + 2 * q0), m8);
-        vmin = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_mul_ps(_mm256_set1_ps(h2f(rd16(blk + 2))), dx), vmin);
+        const float dy = a.xd[sb];
+        vacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(h2f(rd16(blk)) * dy), vacc);
+        const __m256i ms = _mm256_mullo_epi32(pair_sums(a.xs + 16 * sb), m8);
+        vmin = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_set1_ps(h2f(rd16(blk + 2)) * dy), vmin);
     }
     return hsum8(_mm256_sub_ps(vacc, vmin));
 #else
     float acc = 0.f, mins = 0.f;
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *blk = row + sb * bb, *sc = blk + 4, *qs = blk + qoff, *qh = blk + 16;
-        const float d = h2f(rd16(blk)), dmin = h2f(rd16(blk + 2));
+        const int8_t *xq = a.xq + sb * QKK;
+        const int32_t *xs = a.xs + 16 * sb;
+        int32_t isum = 0, imin = 0;
         for (int k = 0; k < 8; k++) {
             const int c = k / 2, h = k % 2;
-            const int64_t qb = sb * 8 + k;  /* the activation's q8 block */
             uint8_t s, m;
             get_scale_min_k4(k, sc, &s, &m);
-            mins += dmin * m * a.xd[qb] * (float)(a.xs[2 * qb] + a.xs[2 * qb + 1]);
+            imin += m * (xs[2 * k] + xs[2 * k + 1]);
             int32_t t = 0;
             for (int l = 0; l < 32; l++) {
                 int q = h ? qs[32 * c + l] >> 4 : qs[32 * c + l] & 15;
                 if (h5) q |= ((qh[l] >> k) & 1) << 4;
-                t += q * a.xq[qb * QK + l];
+                t += q * xq[32 * k + l];
             }
-            acc += d * s * a.xd[qb] * (float)t;
+            isum += s * t;
         }
+        acc += h2f(rd16(blk)) * a.xd[sb] * (float)isum;
+        mins += h2f(rd16(blk + 2)) * a.xd[sb] * (float)imin;
     }
     return acc - mins;
 #endif
@@ -520,67 +585,72 @@ static inline __attribute__((always_inline)) float dot_q45_K(const uint8_t *row,
 static inline float dot_q4_K(const uint8_t *row, act_t a, int64_t nsb) { return dot_q45_K(row, a, nsb, 0); }
 static inline float dot_q5_K(const uint8_t *row, act_t a, int64_t nsb) { return dot_q45_K(row, a, nsb, 1); }
 
-/* Q6_K row . q8 activation: 6-bit q (0..63, offset 32) with an int8 scale per 16 values:
- * d dx_k (sum over the two 16-groups g of block k of s_g (sum(q qx) - 32 sum(qx))).
- * AVX2: the 16 group sums of a super-block in two int32 vectors, the offset and scales applied
- * there, then the 8 block sums scaled in one FMA. */
+/* Q6_K row . q8_K activation: 6-bit q (0..63, offset 32), an int8 scale s_g per 16 values:
+ * d dy sum_g s_g (sum(q qy) - 32 sum(qy)) over the super-block's 16 groups, exact in int32
+ * (|.| <= 16 * 128 * 63 * 127 * 16), scaled once per super-block, as ggml's vec_dot_q6_K_q8_K.
+ * AVX2: vpmaddubsw pairs (|.| <= 16002) meet each 16-value group's scale in vpmaddwd (a vector of
+ * 32 values spans two groups, one per 128-bit half); the offset as 32 sum_g s_g xs_g. */
 static inline float dot_q6_K(const uint8_t *row, act_t a, int64_t nsb) {
 #ifdef PI_AVX2
     __m256 vacc = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x03);
-    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);  /* groups 0,2,4,6 | 1,3,5,7 */
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *blk = row + sb * 210;
-        const int64_t q0 = sb * 8;
-        __m256i u[2];
+        const int8_t *xq = a.xq + sb * QKK;
+        const int32_t *xs = a.xs + 16 * sb;
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+        /* the offset: 32 sum_g s_g xs_g, as 8 int32 lanes */
+        const __m256i off = _mm256_add_epi32(
+            _mm256_mullo_epi32(_mm256_cvtepi8_epi32(sc8), _mm256_loadu_si256((const __m256i *)xs)),
+            _mm256_mullo_epi32(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)), _mm256_loadu_si256((const __m256i *)(xs + 8))));
+        __m256i isum = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5));
         for (int n = 0; n < 2; n++) {
             const uint8_t *ql = blk + 64 * n, *qh = blk + 128 + 32 * n;
+            /* this half's 8 scales as int16, both 128-bit halves: [s0..s7 | s0..s7] */
+            const __m256i s16 = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(sc8, 8 * n)));
             const __m256i la = _mm256_loadu_si256((const __m256i *)ql), lb = _mm256_loadu_si256((const __m256i *)(ql + 32));
             const __m256i hv = _mm256_loadu_si256((const __m256i *)qh);
-            __m256i q[4], p[4];
+            __m256i q[4];
             q[0] = _mm256_or_si256(_mm256_and_si256(la, m4), _mm256_slli_epi16(_mm256_and_si256(hv, m2), 4));
             q[1] = _mm256_or_si256(_mm256_and_si256(lb, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 2), m2), 4));
             q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(la, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 4), m2), 4));
             q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 6), m2), 4));
-            for (int g = 0; g < 4; g++) p[g] = dot_u8i8(q[g], a.xq + (q0 + 4 * n + g) * QK);
-            /* [G0, G2, G4, G6 | G1, G3, G5, G7] of this half (G: the 16-value group sums) */
-            u[n] = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-            const __m256i xs = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)(a.xs + 2 * (q0 + 4 * n))), order);
-            const __m256i sc = _mm256_permutevar8x32_epi32(
-                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * n))), order);
-            u[n] = _mm256_mullo_epi32(_mm256_sub_epi32(u[n], _mm256_slli_epi32(xs, 5)), sc);
+            for (int g = 0; g < 4; g++) {
+                /* values 0-15 of this vector: group 2g of the half (scale s_2g), 16-31: group 2g + 1 */
+                const __m256i sg = _mm256_shuffle_epi8(s16, _mm256_setr_epi8(
+                    4 * g, 4 * g + 1, 4 * g, 4 * g + 1, 4 * g, 4 * g + 1, 4 * g, 4 * g + 1,
+                    4 * g, 4 * g + 1, 4 * g, 4 * g + 1, 4 * g, 4 * g + 1, 4 * g, 4 * g + 1,
+                    4 * g + 2, 4 * g + 3, 4 * g + 2, 4 * g + 3, 4 * g + 2, 4 * g + 3, 4 * g + 2, 4 * g + 3,
+                    4 * g + 2, 4 * g + 3, 4 * g + 2, 4 * g + 3, 4 * g + 2, 4 * g + 3, 4 * g + 2, 4 * g + 3));
+                const __m256i p = _mm256_maddubs_epi16(q[g], _mm256_loadu_si256((const __m256i *)(xq + 128 * n + 32 * g)));
+                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, sg));
+            }
         }
-        const __m256i bs = _mm256_add_epi32(_mm256_permute2x128_si256(u[0], u[1], 0x20),
-                                            _mm256_permute2x128_si256(u[0], u[1], 0x31));
-        const __m256 ddx = _mm256_mul_ps(_mm256_set1_ps(h2f(rd16(blk + 208))), _mm256_loadu_ps(a.xd + q0));
-        vacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bs), ddx, vacc);
+        vacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(h2f(rd16(blk + 208)) * a.xd[sb]), vacc);
     }
     return hsum8(vacc);
 #else
     float acc = 0.f;
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *blk = row + sb * 210;
-        const int8_t *sc = (const int8_t *)(blk + 192);
-        const float d = h2f(rd16(blk + 208));
+        const int8_t *sc = (const int8_t *)(blk + 192), *xq = a.xq + sb * QKK;
+        const int32_t *xs = a.xs + 16 * sb;
+        int32_t isum = 0;
         for (int n = 0; n < 2; n++) {
             const uint8_t *ql = blk + 64 * n, *qh = blk + 128 + 32 * n;
-            const int8_t *s = sc + 8 * n;
-            for (int g = 0; g < 4; g++) {
-                const int64_t qb = sb * 8 + 4 * n + g;
-                const int s0 = s[2 * g], s1 = s[2 * g + 1];
-                const float ddx = d * a.xd[qb];
-                acc -= ddx * 32.f * (float)(s0 * a.xs[2 * qb] + s1 * a.xs[2 * qb + 1]);
-                int32_t t0 = 0, t1 = 0;
-                for (int l = 0; l < 32; l++) {
-                    const int hi = (qh[l] >> (2 * g)) & 3;
-                    const int lo = g == 0 ? ql[l] & 15 : g == 1 ? ql[l + 32] & 15 : g == 2 ? ql[l] >> 4 : ql[l + 32] >> 4;
-                    const int v = (lo | (hi << 4)) * a.xq[qb * QK + l];
-                    if (l < 16) t0 += v;
-                    else t1 += v;
+            for (int g = 0; g < 4; g++)
+                for (int hf = 0; hf < 2; hf++) {  /* group 8n + 2g + hf: values 128n + 32g + 16hf .. + 15 */
+                    const int gi = 8 * n + 2 * g + hf;
+                    int32_t t = -32 * xs[gi];
+                    for (int l = 16 * hf; l < 16 * hf + 16; l++) {
+                        const int hi = (qh[l] >> (2 * g)) & 3;
+                        const int lo = g == 0 ? ql[l] & 15 : g == 1 ? ql[l + 32] & 15 : g == 2 ? ql[l] >> 4 : ql[l + 32] >> 4;
+                        t += (lo | (hi << 4)) * xq[128 * n + 32 * g + l];
+                    }
+                    isum += sc[gi] * t;
                 }
-                acc += ddx * (float)(s0 * t0 + s1 * t1);
-            }
         }
+        acc += h2f(rd16(blk + 208)) * a.xd[sb] * (float)isum;
     }
     return acc;
 #endif
@@ -656,31 +726,57 @@ static inline void split(int64_t n, int nt, int t, int64_t *r0, int64_t *r1) {
 #define PI_ENOMEM (-1) /* an allocation failed: nothing was computed */
 #define PI_EINVAL (-2) /* an argument out of range (more tokens than MULTI_MAX_T) */
 
-/* x [T, K] -> the T activations (q8 blocks in qbuf/dbuf when the type needs them) */
-/* The T activations as the type's products read them: q8 blocks (+ their 16-value sums). */
+/* The T activations as the type's products read them: 8-bit blocks (+ their 16-value sums). */
 typedef struct {
     int8_t *q;
-    float *d;
-    int32_t *s; /* K-quants: the sums of each 16 values */
+    float *d;   /* dn scales per token: K/32, or K/256 for the K-quants (q8_K) */
+    int32_t *s; /* K-quants, Q5_0/Q5_1: the sums of each 16 values */
     int32_t *o; /* Q4_0: 8 x the sum of each block (the nibbles' offset 8, taken off in the x8 kernel) */
+    int32_t *p; /* K-quants: per token and super-block, 8 pairs of 16-value sums packed as int16 pairs for
+                 * the x8 kernels' vpmaddwd (kpairs) */
+    int64_t dn;
 } acts_t;
+
+/* lo | hi << 16: two int16 (|v| <= 32 * 127) as one int32 lane for vpmaddwd */
+static inline int32_t pack16(int32_t lo, int32_t hi) { return (int32_t)(((uint32_t)hi << 16) | ((uint32_t)lo & 0xffffu)); }
+
+/* One super-block's 16-value sums s[16] -> the 8 int32 the x8 kernels broadcast: Q6_K (s[2k], s[2k+1])
+ * for sub-block k (its two groups' offsets); Q4_K/Q5_K the 32-value sums b_k = s[2k] + s[2k+1] as
+ * (b0, b2), (b1, b3), (b4, b6), (b5, b7) (against the rows' mins in those pairs), then 4 zeros. */
+static inline void kpairs(int qt, const int32_t *s, int32_t *out) {
+    if (qt == QT_Q6_K) {
+        for (int k = 0; k < 8; k++) out[k] = pack16(s[2 * k], s[2 * k + 1]);
+        return;
+    }
+    int32_t b[8];
+    for (int k = 0; k < 8; k++) b[k] = s[2 * k] + s[2 * k + 1];
+    const int32_t v[8] = {pack16(b[0], b[2]), pack16(b[1], b[3]), pack16(b[4], b[6]), pack16(b[5], b[7]), 0, 0, 0, 0};
+    memcpy(out, v, sizeof(v));
+}
 
 /* *ok = 0 when an allocation failed (nothing is left allocated then) */
 static void release(acts_t a);
 static acts_t prepare(int qt, const float *x, int64_t T, int64_t K, int *ok) {
-    acts_t a = {NULL, NULL, NULL, NULL};
+    acts_t a = {NULL, NULL, NULL, NULL, NULL, 0};
     *ok = 1;
     if (!uses_q8(qt)) return a;
     const int64_t nb = K / QK;
+    a.dn = is_k(qt) ? K / QKK : nb;
     a.q = malloc((size_t)(T * K) + 1);
-    a.d = malloc((size_t)(T * nb) * sizeof(float) + 1);
+    a.d = malloc((size_t)(T * a.dn) * sizeof(float) + 1);
     if (needs_sums(qt)) a.s = malloc((size_t)(T * (K / 16)) * sizeof(int32_t) + 1);
     else if (qt == QT_Q4_0) a.o = malloc((size_t)(T * nb) * sizeof(int32_t) + 1);
-    if (!a.q || !a.d || (needs_sums(qt) && !a.s) || (qt == QT_Q4_0 && !a.o)) {
+    if (is_k(qt)) a.p = malloc((size_t)(T * a.dn * 8) * sizeof(int32_t) + 1);
+    if (!a.q || !a.d || (needs_sums(qt) && !a.s) || (qt == QT_Q4_0 && !a.o) || (is_k(qt) && !a.p)) {
         release(a);
-        acts_t none = {NULL, NULL, NULL, NULL};
+        acts_t none = {NULL, NULL, NULL, NULL, NULL, 0};
         *ok = 0;
         return none;
+    }
+    if (is_k(qt)) {
+        for (int64_t t = 0; t < T; t++) quantize_q8K(x + t * K, K, a.q + t * K, a.d + t * a.dn, a.s + t * (K / 16));
+        for (int64_t i = 0; i < T * a.dn; i++) kpairs(qt, a.s + 16 * i, a.p + 8 * i);
+        return a;
     }
     for (int64_t t = 0; t < T; t++) quantize_q8(x + t * K, K, a.q + t * K, a.d + t * nb);
     if (needs_sums(qt)) {
@@ -704,10 +800,11 @@ static void release(acts_t a) {
     free(a.d);
     free(a.s);
     free(a.o);
+    free(a.p);
 }
 
 static inline act_t act_of(const float *x, acts_t b, int64_t t, int64_t K) {
-    act_t a = {x + t * K, b.q ? b.q + t * K : NULL, b.d ? b.d + t * (K / QK) : NULL, b.s ? b.s + t * (K / 16) : NULL};
+    act_t a = {x + t * K, b.q ? b.q + t * K : NULL, b.d ? b.d + t * b.dn : NULL, b.s ? b.s + t * (K / 16) : NULL};
     return a;
 }
 
@@ -1555,8 +1652,9 @@ static void x8_range(int qt, const uint8_t *W, int64_t nb, int64_t N, acts_t a, 
  * 4 broadcast activation bytes (no horizontal sums), as the Q4_0/Q8_0 x8 kernel does.
  * Q4_K/Q5_K chunks: 0 (d, dmin), 1-3 (the packed 6-bit scales and mins), Q5_K 4-11 (qh), then
  * 32 of qs. Q6_K chunks: 0-31 ql, 32-47 qh, 48-51 the int8 scales, then the 8 d.
- * Per row the super-block's sums are those of dot_q4_K/_q5_K/_q6_K (exact integer sums per 32
- * values, the same scales), summed in another float order: equal within float32 rounding. */
+ * Per row the super-block's integer sums are those of dot_q4_K/_q5_K/_q6_K (exact, over the whole
+ * super-block with the scales and mins, on the q8_K activation), scaled by d dy once per super-block
+ * and summed in another float order: equal within float32 rounding. */
 
 /* row i of an x8 block of type qt (head: the leading bytes per row) back into ggml's block bytes */
 static inline void x8_row_bytes(int qt, const uint8_t *blk, int i, uint8_t *out) {
@@ -1582,15 +1680,62 @@ static inline __m256 halves8(__m256i v, const int hi) {
     return _mm256_cvtph_ps(_mm256_castsi256_si128(p));
 }
 
-/* rn (1..4) tokens from t0 against one group of 8 Q4_K (h5 0) or Q5_K (h5 1) rows: out [rn][8].
- * xm[t * nb + q]: token t's q8 block q scale times the sum of its values (the mins' factor). */
+/* (v << 16) | v in each int32 lane: the lane's value as both int16 of a vpmaddwd pair (v < 2^15) */
+static inline __m256i pair16(__m256i v) { return _mm256_or_si256(v, _mm256_slli_epi32(v, 16)); }
+
+/* sub-block k of one Q4_K/Q5_K x8 super-block against rn tokens: isum[j] += the 8 rows' int32 sums
+ * s_k sum(q qy) (slo, shi: the rows' scales of sub-blocks 0-3 and 4-7, one per byte) */
+static inline __attribute__((always_inline)) void x8k45_sub(const uint8_t *blk, int64_t gb, const uint8_t *qs,
+                                                            __m256i slo, __m256i shi, acts_t a, int64_t K, int64_t t0,
+                                                            int64_t sb, const int rn, const int h5, const int k,
+                                                            __m256i *isum) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), b10 = _mm256_set1_epi8(0x10), lo8 = _mm256_set1_epi32(0xff);
+    const uint8_t *qh = blk + 128;
+    x8k_prefetch(blk, gb, k);
+    const int c = k / 2, h = k % 2;
+    const __m256i ss = pair16(_mm256_and_si256(_mm256_srli_epi32(k < 4 ? slo : shi, 8 * (k % 4)), lo8));
+    __m256i w[8];
+    for (int jj = 0; jj < 8; jj++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * (8 * c + jj)));
+        w[jj] = h ? _mm256_and_si256(_mm256_srli_epi16(v, 4), m4) : _mm256_and_si256(v, m4);
+        if (h5) {  /* bit k of each qh byte to bit 4: one shift and one mask (a 16-bit shift's carry between
+                    * bytes lands outside bit 4 for shifts up to 4 left and 3 right) */
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * jj));
+            const __m256i hs = k < 4 ? _mm256_slli_epi16(hb, 4 - k) : k == 4 ? hb : _mm256_srli_epi16(hb, k - 4);
+            w[jj] = _mm256_or_si256(w[jj], _mm256_and_si256(hs, b10));
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < rn; j++) {
+        const int8_t *xq = a.q + (t0 + j) * K + sb * QKK + 32 * k;
+        __m256i s32;
+        if (h5) {  /* 5-bit q: four pairs of products fit int16, eight may not */
+            __m256i p = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(ld32(xq)));
+            for (int jj = 1; jj < 4; jj++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[jj], _mm256_set1_epi32(ld32(xq + 4 * jj))));
+            __m256i q = _mm256_maddubs_epi16(w[4], _mm256_set1_epi32(ld32(xq + 16)));
+            for (int jj = 5; jj < 8; jj++) q = _mm256_add_epi16(q, _mm256_maddubs_epi16(w[jj], _mm256_set1_epi32(ld32(xq + 4 * jj))));
+            s32 = _mm256_add_epi32(_mm256_madd_epi16(p, ss), _mm256_madd_epi16(q, ss));
+        } else {  /* 4-bit q: |eight pairs| <= 8 * 2 * 15 * 127 = 30480 */
+            __m256i p = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(ld32(xq)));
+            for (int jj = 1; jj < 8; jj++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[jj], _mm256_set1_epi32(ld32(xq + 4 * jj))));
+            s32 = _mm256_madd_epi16(p, ss);
+        }
+        isum[j] = _mm256_add_epi32(isum[j], s32);
+    }
+}
+
+/* rn (1..4, or X8K_TW) tokens from t0 against one group of 8 Q4_K (h5 0) or Q5_K (h5 1) rows: out [rn][8].
+ * Per row lane, as dot_q45_K: sum_k s_k sum(q qy) and sum_k m_k sum_k(qy) in int32 over the
+ * super-block (the scale s_k in vpmaddwd with the vpmaddubsw pairs; the mins as pairs (m_a, m_b)
+ * against the broadcast 32-value sums of the token), then d dy and dmin dy once. */
 static inline __attribute__((always_inline)) void x8k45_tile(const uint8_t *base, int64_t nsb, acts_t a,
-                                                             const float *xm, int64_t nb, int64_t t0, const int rn,
+                                                             int64_t K, int64_t t0, const int rn,
                                                              const int h5, float *out) {
     const int64_t gb = 8 * (h5 ? 176 : 144);
-    const __m256i m4 = _mm256_set1_epi8(0x0f), one8 = _mm256_set1_epi8(1), ones = _mm256_set1_epi16(1);
     const __m256i m6 = _mm256_set1_epi32(0x3f3f3f3f), m2 = _mm256_set1_epi32(0x03030303), b4 = _mm256_set1_epi32(0x0f0f0f0f);
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    const __m256i ev = _mm256_set1_epi32(0x00ff00ff);
+    __m256 acc[X8K_TW];
+    for (int j = 0; j < rn; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *blk = base + sb * gb;
         const __m256i dd = _mm256_loadu_si256((const __m256i *)blk);
@@ -1601,56 +1746,47 @@ static inline __attribute__((always_inline)) void x8k45_tile(const uint8_t *base
         const __m256i slo = _mm256_and_si256(u0, m6), mlo = _mm256_and_si256(u1, m6);
         const __m256i shi = _mm256_or_si256(_mm256_and_si256(u2, b4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), m2), 4));
         const __m256i mhi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), b4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), m2), 4));
-        const uint8_t *qs = blk + 32 * (h5 ? 12 : 4), *qh = blk + 128;
-        for (int k = 0; k < 8; k++) {
-            x8k_prefetch(blk, gb, k);
-            const int c = k / 2, h = k % 2;
-            const __m256i sv = k < 4 ? slo : shi, mv = k < 4 ? mlo : mhi;
-            const __m256i s_k = _mm256_and_si256(_mm256_srli_epi32(sv, 8 * (k % 4)), _mm256_set1_epi32(0xff));
-            const __m256i m_k = _mm256_and_si256(_mm256_srli_epi32(mv, 8 * (k % 4)), _mm256_set1_epi32(0xff));
-            const __m256 sd = _mm256_mul_ps(_mm256_cvtepi32_ps(s_k), d8), md = _mm256_mul_ps(_mm256_cvtepi32_ps(m_k), dm8);
-            __m256i w[8];
-            for (int jj = 0; jj < 8; jj++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * (8 * c + jj)));
-                w[jj] = h ? _mm256_and_si256(_mm256_srli_epi16(v, 4), m4) : _mm256_and_si256(v, m4);
-                if (h5) {
-                    const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * jj));
-                    w[jj] = _mm256_or_si256(w[jj], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, k), one8), 4));
-                }
-            }
+        /* the mins as int16 pairs (m0, m2), (m1, m3), (m4, m6), (m5, m7) */
+        const __m256i mp[4] = {_mm256_and_si256(mlo, ev), _mm256_and_si256(_mm256_srli_epi32(mlo, 8), ev),
+                               _mm256_and_si256(mhi, ev), _mm256_and_si256(_mm256_srli_epi32(mhi, 8), ev)};
+        __m256i isum[X8K_TW];
+        for (int j = 0; j < rn; j++) isum[j] = _mm256_setzero_si256();
+        const uint8_t *qs = blk + 32 * (h5 ? 12 : 4);
+        if (h5 && rn > 1) {  /* Q5_K: unrolled, this loop spills (measured 0.91x of the rolled one at 16-64 tokens) */
+            for (int k = 0; k < 8; k++) x8k45_sub(blk, gb, qs, slo, shi, a, K, t0, sb, rn, 1, k, isum);
+        } else {  /* Q4_K, and Q5_K at 1 token: unrolled, constant shifts and offsets (Q4_K 1.42x at 1 token, 1.14x at 64) */
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++) x8k45_sub(blk, gb, qs, slo, shi, a, K, t0, sb, rn, h5, k, isum);
+        }
 #pragma GCC unroll 4
-            for (int j = 0; j < rn; j++) {
-                const int64_t xb = (t0 + j) * nb + sb * 8 + k;  /* the token's q8 block */
-                const int8_t *xq = a.q + xb * QK;
-                __m256i s32;
-                if (h5) {  /* 5-bit q: four pairs of products fit int16, eight may not */
-                    __m256i p = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(ld32(xq)));
-                    for (int jj = 1; jj < 4; jj++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[jj], _mm256_set1_epi32(ld32(xq + 4 * jj))));
-                    __m256i q = _mm256_maddubs_epi16(w[4], _mm256_set1_epi32(ld32(xq + 16)));
-                    for (int jj = 5; jj < 8; jj++) q = _mm256_add_epi16(q, _mm256_maddubs_epi16(w[jj], _mm256_set1_epi32(ld32(xq + 4 * jj))));
-                    s32 = _mm256_add_epi32(_mm256_madd_epi16(p, ones), _mm256_madd_epi16(q, ones));
-                } else {  /* 4-bit q: |eight pairs| <= 8 * 2 * 15 * 127 = 30480 */
-                    __m256i p = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(ld32(xq)));
-                    for (int jj = 1; jj < 8; jj++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[jj], _mm256_set1_epi32(ld32(xq + 4 * jj))));
-                    s32 = _mm256_madd_epi16(p, ones);
-                }
-                acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s32), sd), _mm256_set1_ps(a.d[xb]), acc[j]);
-                acc[j] = _mm256_fnmadd_ps(md, _mm256_set1_ps(xm[xb]), acc[j]);
-            }
+        for (int j = 0; j < rn; j++) {
+            const int32_t *xp = a.p + ((t0 + j) * nsb + sb) * 8;  /* the token's 32-value sums in pairs (kpairs) */
+            __m256i im = _mm256_madd_epi16(mp[0], _mm256_set1_epi32(xp[0]));
+            im = _mm256_add_epi32(im, _mm256_madd_epi16(mp[1], _mm256_set1_epi32(xp[1])));
+            im = _mm256_add_epi32(im, _mm256_madd_epi16(mp[2], _mm256_set1_epi32(xp[2])));
+            im = _mm256_add_epi32(im, _mm256_madd_epi16(mp[3], _mm256_set1_epi32(xp[3])));
+            const __m256 dy = _mm256_set1_ps(a.d[(t0 + j) * nsb + sb]);
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_mul_ps(d8, dy), acc[j]);
+            acc[j] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(dm8, dy), acc[j]);
         }
     }
     for (int j = 0; j < rn; j++) _mm256_storeu_ps(out + 8 * j, acc[j]);
 }
 
-/* the same for Q6_K: q 0..63 (offset 32), an int8 scale per 16 values */
-static inline __attribute__((always_inline)) void x8k6_tile(const uint8_t *base, int64_t nsb, acts_t a, int64_t nb,
+/* the same for Q6_K: q 0..63 (offset 32), an int8 scale per 16 values; per row lane the int32 sum
+ * of dot_q6_K over the super-block, then d dy once */
+static inline __attribute__((always_inline)) void x8k6_tile(const uint8_t *base, int64_t nsb, acts_t a, int64_t K,
                                                             int64_t t0, const int rn, float *out) {
     const int64_t gb = 8 * 210;
-    const __m256i m4 = _mm256_set1_epi8(0x0f), m3 = _mm256_set1_epi8(0x03), lo16 = _mm256_set1_epi32(0xffff);
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30), lo16 = _mm256_set1_epi32(0xffff);
+    __m256 acc[X8K_TW];
+    for (int j = 0; j < rn; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *blk = base + sb * gb;
         const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 * 52)));
+        __m256i isum[X8K_TW];
+        for (int j = 0; j < rn; j++) isum[j] = _mm256_setzero_si256();
+#pragma GCC unroll 8
         for (int k = 0; k < 8; k++) {
             x8k_prefetch(blk, gb, k);
             const int n = k / 4, b = k % 4;  /* half, and block within the half */
@@ -1662,63 +1798,72 @@ static inline __attribute__((always_inline)) void x8k6_tile(const uint8_t *base,
             const __m256i pa = _mm256_or_si256(_mm256_and_si256(sa, lo16), _mm256_slli_epi32(sa, 16));  /* (s, s) */
             const __m256i pb = _mm256_or_si256(_mm256_and_si256(sb2, lo16), _mm256_slli_epi32(sb2, 16));
             const __m256i pab = _mm256_or_si256(_mm256_and_si256(sa, lo16), _mm256_slli_epi32(sb2, 16));  /* (s_a, s_b) */
-            const __m256 dk = d8;
             __m256i w[8];
             for (int jj = 0; jj < 8; jj++) {
                 const __m256i l = _mm256_loadu_si256((const __m256i *)(blk + 32 * (16 * n + 8 * (b % 2) + jj)));
                 const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 32 * (32 + 8 * n + jj)));
                 const __m256i low = b < 2 ? _mm256_and_si256(l, m4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
-                w[jj] = _mm256_or_si256(low, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * b), m3), 4));
+                /* bits 2b, 2b + 1 of each qh byte to bits 4, 5: one shift (none for b = 2) and one mask (a
+                 * 16-bit shift's carry between bytes lands outside 0x30) */
+                const __m256i hs = b == 0 ? _mm256_slli_epi16(hb, 4) : b == 1 ? _mm256_slli_epi16(hb, 2)
+                                 : b == 2 ? hb : _mm256_srli_epi16(hb, 2);
+                w[jj] = _mm256_or_si256(low, _mm256_and_si256(hs, m30));
             }
 #pragma GCC unroll 4
             for (int j = 0; j < rn; j++) {
-                const int64_t xb = (t0 + j) * nb + sb * 8 + k;
-                const int8_t *xq = a.q + xb * QK;
+                const int8_t *xq = a.q + (t0 + j) * K + sb * QKK + 32 * k;
+                const int32_t xs2 = a.p[((t0 + j) * nsb + sb) * 8 + k];  /* (s_2k, s_2k+1) of the token (kpairs) */
                 __m256i p[4];
                 for (int q = 0; q < 4; q++)  /* |two pairs| <= 2 * 2 * 63 * 127 = 32004 */
                     p[q] = _mm256_add_epi16(_mm256_maddubs_epi16(w[2 * q], _mm256_set1_epi32(ld32(xq + 8 * q))),
                                             _mm256_maddubs_epi16(w[2 * q + 1], _mm256_set1_epi32(ld32(xq + 8 * q + 4))));
                 __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p[0], pa), _mm256_madd_epi16(p[1], pa)),
                                                _mm256_add_epi32(_mm256_madd_epi16(p[2], pb), _mm256_madd_epi16(p[3], pb)));
-                const uint32_t xs2 = ((uint32_t)a.s[2 * xb] & 0xffffu) | ((uint32_t)a.s[2 * xb + 1] << 16);
-                s32 = _mm256_sub_epi32(s32, _mm256_slli_epi32(_mm256_madd_epi16(pab, _mm256_set1_epi32((int)xs2)), 5));
-                acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s32), dk), _mm256_set1_ps(a.d[xb]), acc[j]);
+                s32 = _mm256_sub_epi32(s32, _mm256_slli_epi32(_mm256_madd_epi16(pab, _mm256_set1_epi32(xs2)), 5));
+                isum[j] = _mm256_add_epi32(isum[j], s32);
             }
         }
+#pragma GCC unroll 4
+        for (int j = 0; j < rn; j++)
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_mul_ps(d8, _mm256_set1_ps(a.d[(t0 + j) * nsb + sb])), acc[j]);
     }
     for (int j = 0; j < rn; j++) _mm256_storeu_ps(out + 8 * j, acc[j]);
 }
 #endif
 
 /* groups [g0, g1) of y [T, N] for an x8 K-quant matrix (called with a constant qt): each group of
- * 8 rows takes every tile of 4 tokens while its bytes are in cache; a token's numbers do not
- * depend on the others in the call (each tile sums its blocks in order 0..nsb-1). */
+ * 8 rows takes every tile of tokens (32, 16, then up to 4) while its bytes are in cache; a token's
+ * numbers do not depend on the others in the call (each tile sums its blocks in order 0..nsb-1). */
 static inline __attribute__((always_inline)) void x8k_range_t(int qt, const uint8_t *W, int64_t K, int64_t N,
-                                                              acts_t a, const float *xm, int64_t T, float *y,
-                                                              int64_t g0, int64_t g1) {
-    const int64_t nsb = K / QKK, nb = K / QK, gb = 8 * block_bytes(qt);
+                                                              acts_t a, int64_t T, float *y, int64_t g0, int64_t g1) {
+    const int64_t nsb = K / QKK, gb = 8 * block_bytes(qt);
     for (int64_t g = g0; g < g1; g++) {
         const uint8_t *base = W + g * nsb * gb;
-        for (int64_t t0 = 0; t0 < T; t0 += 4) {
-            const int rn = T - t0 >= 4 ? 4 : (int)(T - t0);
-            float acc[4][8];
+        for (int64_t t0 = 0, rn; t0 < T; t0 += rn) {
 #ifdef PI_AVX2
-#define X8K_TILE(R) (qt == QT_Q6_K ? x8k6_tile(base, nsb, a, nb, t0, R, acc[0]) \
-                     : x8k45_tile(base, nsb, a, xm, nb, t0, R, qt == QT_Q5_K, acc[0]))
-            if (rn == 4) X8K_TILE(4);
+            rn = T - t0 >= X8K_TW ? X8K_TW : T - t0 >= 16 ? 16 : T - t0 >= 4 ? 4 : T - t0;
+#else
+            rn = T - t0 >= 4 ? 4 : T - t0;
+#endif
+            float acc[X8K_TW][8];
+#ifdef PI_AVX2
+#define X8K_TILE(R) (qt == QT_Q6_K ? x8k6_tile(base, nsb, a, K, t0, R, acc[0]) \
+                     : x8k45_tile(base, nsb, a, K, t0, R, qt == QT_Q5_K, acc[0]))
+            if (rn == X8K_TW) X8K_TILE(X8K_TW);
+            else if (rn == 16) X8K_TILE(16);
+            else if (rn == 4) X8K_TILE(4);
             else if (rn == 3) X8K_TILE(3);
             else if (rn == 2) X8K_TILE(2);
             else X8K_TILE(1);
 #undef X8K_TILE
 #else
-            (void)xm;
             uint8_t row[210];
             for (int i = 0; i < 8; i++) {
                 for (int j = 0; j < rn; j++) acc[j][i] = 0.f;
                 for (int64_t sb = 0; sb < nsb; sb++) {
                     x8_row_bytes(qt, base + sb * gb, i, row);
                     for (int j = 0; j < rn; j++) {
-                        act_t x1 = {NULL, a.q + (t0 + j) * K + sb * QKK, a.d + (t0 + j) * nb + sb * 8,
+                        act_t x1 = {NULL, a.q + (t0 + j) * K + sb * QKK, a.d + (t0 + j) * nsb + sb,
                                     a.s + (t0 + j) * (K / 16) + sb * 16};
                         acc[j][i] += row_dot(qt, row, x1, QKK);
                     }
@@ -1731,11 +1876,11 @@ static inline __attribute__((always_inline)) void x8k_range_t(int qt, const uint
     }
 }
 
-static void x8k_range(int qt, const uint8_t *W, int64_t K, int64_t N, acts_t a, const float *xm, int64_t T,
-                      float *y, int64_t g0, int64_t g1) {
-    if (qt == QT_Q4_K) x8k_range_t(QT_Q4_K, W, K, N, a, xm, T, y, g0, g1);
-    else if (qt == QT_Q5_K) x8k_range_t(QT_Q5_K, W, K, N, a, xm, T, y, g0, g1);
-    else x8k_range_t(QT_Q6_K, W, K, N, a, xm, T, y, g0, g1);
+static void x8k_range(int qt, const uint8_t *W, int64_t K, int64_t N, acts_t a, int64_t T, float *y, int64_t g0,
+                      int64_t g1) {
+    if (qt == QT_Q4_K) x8k_range_t(QT_Q4_K, W, K, N, a, T, y, g0, g1);
+    else if (qt == QT_Q5_K) x8k_range_t(QT_Q5_K, W, K, N, a, T, y, g0, g1);
+    else x8k_range_t(QT_Q6_K, W, K, N, a, T, y, g0, g1);
 }
 
 
@@ -1839,24 +1984,25 @@ static inline __attribute__((always_inline)) void x8q5_range_t(int qt, const uin
 }
 
 /* y [T, N] = x [T, K] @ W.T for an x8 Q4_K/Q5_K/Q6_K or Q5_0/Q5_1 matrix W (N a multiple of 8): the
- * activation's q8 blocks with their sums, and dx * sum(qx) per q8 block (the K-quants' mins, Q5_1's m) */
+ * activation's 8-bit blocks with their sums, and for Q5_1 dx * sum(qx) per q8 block (its m's factor) */
 static int x8s_gemm(int qt, const void *W, int64_t N, int64_t K, const float *x, int64_t T, float *y) {
     const int64_t nb = K / QK, G = N / 8;
     int ok;
     const acts_t acts = prepare(qt, x, T, K, &ok);
     if (!ok) return PI_ENOMEM;
-    float *xm = malloc((size_t)(T * nb + 1) * sizeof(float));
-    if (!xm) {
+    float *xm = qt == QT_Q5_1 ? malloc((size_t)(T * nb + 1) * sizeof(float)) : NULL;
+    if (qt == QT_Q5_1 && !xm) {
         release(acts);
         return PI_ENOMEM;
     }
-    for (int64_t i = 0; i < T * nb; i++) xm[i] = acts.d[i] * (float)(acts.s[2 * i] + acts.s[2 * i + 1]);
+    if (xm)
+        for (int64_t i = 0; i < T * nb; i++) xm[i] = acts.d[i] * (float)(acts.s[2 * i] + acts.s[2 * i + 1]);
     const int par = G * (K / block_values(qt)) * 8 * block_bytes(qt) >= PAR_MIN_BYTES && omp_get_max_threads() > 1;
     #pragma omp parallel if (par)
     {
         int64_t g0, g1;
         split(G, omp_get_num_threads(), omp_get_thread_num(), &g0, &g1);
-        if (is_k(qt)) x8k_range(qt, (const uint8_t *)W, K, N, acts, xm, T, y, g0, g1);
+        if (is_k(qt)) x8k_range(qt, (const uint8_t *)W, K, N, acts, T, y, g0, g1);
         else if (qt == QT_Q5_0) x8q5_range_t(QT_Q5_0, (const uint8_t *)W, K, N, acts, xm, T, y, g0, g1);
         else x8q5_range_t(QT_Q5_1, (const uint8_t *)W, K, N, acts, xm, T, y, g0, g1);
     }
