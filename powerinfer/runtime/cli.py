@@ -151,6 +151,9 @@ def bench_report(model: "Transformer", st: "GenStats", path: str) -> str:
     from .cold_rows import budget_lines  # --ram-budget: resident MB by kind, reads per token, hit rate
 
     lines += budget_lines(model)
+    from .expert_residency import expert_budget_lines  # the same for a mixture-of-experts file
+
+    lines += expert_budget_lines(model)
     return "\n".join(lines) + "\n"
 
 
