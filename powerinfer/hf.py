@@ -161,7 +161,13 @@ def _check_tensors(model_dir: Path, family: Family, reader: Any) -> int:
     reader.prefix = model.base_model_prefix
     emb = model.get_input_embeddings().weight
     seen: set[int] = set()
-    for key, t in model.state_dict(keep_vars=True).items():
+    params = {k: t for k, t in model.state_dict(keep_vars=True).items()}
+    if family.checkpoint_ffn is not None:  # MoE: transformers 5 fuses the experts the checkpoint stores one by one
+        cfg = resolve_model(model_dir)[1]
+        params = {k: t for k, t in params.items() if ".mlp." not in k}
+        for i in range(config.num_hidden_layers):
+            params.update({k: torch.empty(s, device="meta") for k, s in family.checkpoint_ffn(cfg, i).items()})
+    for key, t in params.items():
         if id(t) in seen:  # a tied copy (the output head of a tied model)
             continue
         seen.add(id(t))

@@ -23,11 +23,12 @@ PROSPARSE_THRESHOLD = 0.3  # ProSparse-7B ships 0.01; larger here so FATReLU dif
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Weights N(0, 0.2); 1-D parameters (norm weights, biases) around 1 and 0 with spread 0.1."""
+    """Weights (2-D, and 3-D stacked experts) N(0, 0.2); 1-D parameters (norm weights, biases) around 1
+    and 0 with spread 0.1."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2)
             elif name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
@@ -229,6 +230,26 @@ def make_mistral(out_dir: Path) -> Path:
 def make_nemo(out_dir: Path) -> Path:
     """Mistral-Nemo: head_dim 24 with 4 heads (96 != n_embd 64), no sliding window, rope_theta 1e6."""
     return _modern("MistralForCausalLM", out_dir, 16, head_dim=24, sliding_window=None, rope_theta=1000000.0)
+
+
+def make_mixtral(out_dir: Path, **kw) -> Path:
+    """Mixtral 8x7B's layout shrunk: 4 experts of width 64, 2 per token, GQA 4/2, rope_theta 1e6, no window."""
+    return _modern("MixtralForCausalLM", out_dir, 17, **{"num_local_experts": 4, "num_experts_per_tok": 2,
+                   "intermediate_size": 64, "rope_theta": 1000000.0, "sliding_window": None, **kw})
+
+
+def make_qwen3moe(out_dir: Path, **kw) -> Path:
+    """Qwen3-30B-A3B's layout shrunk: 8 experts of width 32 (``moe_intermediate_size``), 3 per token,
+    ``norm_topk_prob`` true (as published), q/k norms, head_dim 32, dense width 128 unused."""
+    return _modern("Qwen3MoeForCausalLM", out_dir, 18, **{"num_experts": 8, "num_experts_per_tok": 3,
+                   "moe_intermediate_size": 32, "norm_topk_prob": True, "rope_theta": 1000000.0,
+                   "rms_norm_eps": 1e-6, "head_dim": 32, "use_sliding_window": False, **kw})
+
+
+MOE_BUILDERS = {
+    "mixtral": make_mixtral,
+    "qwen3moe": make_qwen3moe,
+}
 
 
 MODERN_BUILDERS = {

@@ -326,10 +326,10 @@ def test_unknown_architecture_exits_non_zero_naming_it(tmp_path, relu_hf):
     d = tmp_path / "m"
     shutil.copytree(relu_hf, d)
     cfg = json.loads((d / "config.json").read_text())
-    cfg.update(architectures=["MixtralForCausalLM"], model_type="mixtral")
+    cfg.update(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe")
     (d / "config.json").write_text(json.dumps(cfg))
     r = CliRunner().invoke(convert_main, [str(d), "--outfile", str(tmp_path / "o.gguf")])
-    assert r.exit_code == 1 and "MixtralForCausalLM" in r.output
+    assert r.exit_code == 1 and "Qwen2MoeForCausalLM" in r.output
     assert not (tmp_path / "o.gguf").exists()
 
 

@@ -2,7 +2,9 @@
 
 One rule, shared by ``pi-convert --outtype`` and ``pi-quantize`` (:func:`tensor_type`):
 
-* tensors that are not 2-D (norms, biases) are F32;
+* 1-D tensors (norms, biases) and MoE routers (``blk.i.ffn_gate_inp.weight``, as llama.cpp's
+  converter and quantizer keep them) are F32; 3-D stacked experts (``ffn_*_exps``) are typed as
+  2-D matrices are, row by row;
 * the predictor matrices ``blk.i.fc1.weight`` / ``blk.i.fc2.weight`` get the predictor
   type: ``--predictor-type`` when given, else the outtype for ``f16``/``f32`` files and
   :data:`DEFAULT_PREDICTOR_TYPE` for quantized ones;
@@ -54,7 +56,7 @@ def is_predictor(name: str) -> bool:
 
 
 def _wanted(name: str, shape: tuple[int, ...], outtype: str, predictor_type: str | None) -> str:
-    if len(shape) != 2:
+    if len(shape) < 2 or len(shape) > 3 or name.endswith(".ffn_gate_inp.weight"):
         return "f32"
     if is_predictor(name):
         return predictor_type or (outtype if outtype in ("f16", "bf16", "f32") else DEFAULT_PREDICTOR_TYPE)

@@ -53,6 +53,8 @@ from ..formats.gguf_file import PWRI_BYTES, set_magic
 from ..formats.predictor import LayerPredictor, check_sparse_threshold, load_predictor_dir, read_predictor_config
 from ..hf import check_model
 from ..progress import progress as progress_bar
+from ..families.experts import expert_counts
+from .experts import expert_index, plan_stacks
 from .outfile import check_outfile
 from .hf_tensors import HFTensors
 from .tensor_types import (FILE_TYPES, OUTTYPES, PREDICTOR_TYPES, UPSTREAM_Q8_0_SPARSE, encode, fallback_note,
@@ -111,6 +113,7 @@ def _plan(family: Family, cfg: dict, dims: dict, tensors: HFTensors, sparse: boo
         "qkv_jploski": lambda t: falcon_qkv_jploski(t, n_head, n_head_kv),
     }
     by_name: dict[str, PlannedTensor] = {}
+    experts: dict[str, dict[int, str]] = {}  # stacked expert tensor -> {expert: checkpoint name}
     for name in tensors.names():
         if name.endswith(_SKIP_SUFFIXES):
             continue
@@ -121,6 +124,9 @@ def _plan(family: Family, cfg: dict, dims: dict, tensors: HFTensors, sparse: boo
         gname, tr = hit
         if gname is None:  # a tied copy upstream does not store
             continue
+        if tr == "expert":  # one matrix of a 3-D expert stack (convert/experts.py)
+            experts.setdefault(gname, {})[expert_index(name)] = name
+            continue
         shape = tensors.shape(name)
         if tr == "down" and sparse:
             gname = gname.replace(".ffn_down.", ".ffn_down_t.")
@@ -129,6 +135,10 @@ def _plan(family: Family, cfg: dict, dims: dict, tensors: HFTensors, sparse: boo
             raise PowerInferError(f"{src}: two checkpoint tensors map to {gname} (the second is {name!r})")
         fn = transforms[tr]
         by_name[gname] = PlannedTensor(gname, shape, (lambda n=name, f=fn: f(tensors.get(n))))
+    if experts:
+        n_expert = expert_counts(cfg, src / "config.json")[0]
+        for gname, (shape, load) in plan_stacks(experts, tensors.shape, tensors.get, n_expert, src).items():
+            by_name[gname] = PlannedTensor(gname, shape, load)
     expected = family.expected_gguf_tensors(dims["n_layer"], sparse)
     # Tied embeddings: the upstream loader wants an explicit output.weight; llama.cpp's reuses token_embd.
     tied = "output.weight" not in by_name and "output.weight" in expected

@@ -149,6 +149,12 @@ class Family:
     family's transformers config class accepts (legacy Falcon keys, refusals of
     layouts we cannot run); ``specialize`` returns the variant of the family a config
     needs (e.g. one-layernorm Falcon); ``gguf_kv`` gives extra GGUF metadata.
+
+    Mixture of experts (:mod:`.experts`): ``experts`` True means every layer's FFN is a
+    router ``ffn_gate_inp`` and 3-D expert tensors ``ffn_{gate,up,down}_exps`` (llama.cpp's
+    names; the runtime's :mod:`powerinfer.runtime.moe`); ``checkpoint_ffn(cfg, layer)`` gives
+    the published checkpoint's FFN tensor names and shapes of one layer (transformers 5 builds
+    fused expert parameters on the meta device, so the config check compares these instead).
     """
 
     name: str
@@ -177,6 +183,8 @@ class Family:
     adapt_config: ConfigAdapter | None = None
     specialize: Callable[["Family", dict[str, Any]], "Family"] | None = None
     gguf_kv: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    experts: bool = False
+    checkpoint_ffn: Callable[[dict[str, Any], int], dict[str, tuple[int, ...]]] | None = None
 
     @property
     def gated(self) -> bool:
@@ -228,6 +236,8 @@ class Family:
         for i in range(n_layer):
             names += [f"blk.{i}.{t}" if "." in t else f"blk.{i}.{t}.weight" for t in self.gguf_layer_tensors]
             ffn = (["ffn_gate"] if self.gated else []) + ["ffn_up", "ffn_down_t" if sparse else "ffn_down"]
+            if self.experts:  # llama.cpp's order: router, then the stacked experts
+                ffn = ["ffn_gate_inp", "ffn_gate_exps", "ffn_down_exps", "ffn_up_exps"]
             names += [f"blk.{i}.{t}.{p}" for t in ffn for p in parts]
             if sparse:
                 names += [f"blk.{i}.fc1.weight", f"blk.{i}.fc2.weight"]

@@ -272,8 +272,11 @@ class BatchDecoder:
         return out
 
     def _dense_shared(self, layer: Layer) -> bool:
-        """A dense FFN whose three products can take the batch in one call each."""
+        """A dense FFN whose three products can take the batch in one call each (a mixture of experts,
+        :mod:`.moe`: the union of the experts the batch's tokens route to, each run once on its tokens)."""
         f = layer.ffn
+        if hasattr(f, "batch_shared"):
+            return self.model.mask_fn is None and f.batch_shared
         return (not f.sparse and self.model.mask_fn is None and _shared([w for w in (f.gate, f.up) if w is not None])
                 and isinstance(f.down_t, QWeight) and f.down_t.transposed and _shared(f.down_t.T))
 

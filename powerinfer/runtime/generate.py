@@ -145,6 +145,9 @@ def decode_bytes_per_token(model: Transformer, active_share: float | None = None
         f = layer.ffn
         for w in (layer.wqkv, layer.wo):
             n += weight_nbytes(w)
+        if hasattr(f, "decode_bytes"):  # a mixture of experts (moe.py): the router and k of the experts
+            n += f.decode_bytes()
+            continue
         parts = [f] if hasattr(f, "up") else [p for p in (f.cpu, f.gpu) if p is not None]  # HybridFFN: both sides
         def rows_of(*names: str) -> float:
             return sum(weight_nbytes(w) for p in parts for w in (getattr(p, k) for k in names) if w is not None)

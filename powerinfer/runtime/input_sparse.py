@@ -245,6 +245,10 @@ class TealTransformer(Transformer):
             raise PowerInferError(f"{g.path}: a PowerInfer (PWRI) file: input sparsity runs dense GGUFs of "
                                   "SiLU-gated models")
         check_family(a, g.path)
+        from .moe import is_moe
+
+        if is_moe(g):
+            raise PowerInferError(f"{g.path}: a mixture-of-experts file: input sparsity (TEAL) is not supported for experts")
         if "blk.0.attn_qkv.weight" in g.tensors:
             raise PowerInferError(f"{g.path}: fused attn_qkv is not supported with input sparsity")
         self.teal: TealInfo | None = read_teal(g, a.n_layer)

@@ -13,6 +13,7 @@ from ..formats.gguf_file import GGUFFile, open_gguf
 from . import kernels
 from .generate import decode_bytes_per_token
 from .model import Transformer
+from .moe import is_moe
 from .tokenizer import GGUFTokenizer
 from .kv_cache import DEFAULT_KV_CACHE_TYPE
 from .weights import compute_dtype
@@ -42,6 +43,9 @@ def load_model(path: str, dtype: str = "f32", dense: bool = False, n_ctx: int | 
 
         return TealTransformer(g, compute_dtype(dtype), dense=dense, n_ctx=n_ctx), tok
     if ram_budget is not None:  # (and the budget's plan measures what the process holds after it)
+        if is_moe(g):
+            raise PowerInferError(f"{path}: --ram-budget does not run mixture-of-experts files yet (its plan "
+                                  "keeps hot neurons of one FFN per layer); run without it")
         if dense:
             raise PowerInferError("--ram-budget and --dense: a dense FFN reads every row every token; "
                                   "the budget needs the sparse FFN")
@@ -95,6 +99,8 @@ def open_for_inference(model_path: str, *, dtype: str = "auto", dense: bool = Fa
         raise PowerInferError("--ram-budget with --vram-budget: not supported yet (the GPU split copies the CPU "
                               "side's rows out of full matrices, which a RAM budget never holds); give one")
     g = open_gguf(model_path)  # opened and validated once: the model, the plan and the GPU index read it
+    if vram_budget is not None and not disable_gpu_index and is_moe(g):
+        raise PowerInferError(f"{model_path}: --vram-budget does not run mixture-of-experts files yet")
     model, tok = load_model(model_path, dtype, dense, ctx_size or None, ram_budget, activation_dir, note, g,
                             cache_type_k, cache_type_v)
     if ctx_size > model.n_ctx:
@@ -103,6 +109,7 @@ def open_for_inference(model_path: str, *, dtype: str = "auto", dense: bool = Fa
     if vram_budget is not None and not disable_gpu_index:
         if getattr(model, "teal", None) is not None:
             raise PowerInferError(f"{model_path}: --vram-budget does not run input-sparse (TEAL) files yet")
+
         from .hybrid import offload
 
         summary = offload(model, model_path, vram_budget, activation_dir, reset_gpu_index, g=g)

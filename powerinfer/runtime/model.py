@@ -18,7 +18,9 @@ which pieces it has (upstream PowerInfer's ``build_llama_variants``,
 * layout: sequential ``x += attn(norm1 x); x += ffn(norm2 x)`` or parallel (Falcon)
   ``x += attn(ln_attn x) + ffn(ln_mlp x)``; the predictor reads the residual before
   the FFN norm (sequential) or the layer input (parallel);
-* output: ``output.weight``, or the token embedding when tied (OPT).
+* output: ``output.weight``, or the token embedding when tied (OPT);
+* FFN: :mod:`.ffn`'s dense or predictor-sparse one, or a mixture of experts (:mod:`.moe`: Mixtral,
+  Qwen3-MoE), chosen from the file.
 
 Shapes: ``T`` tokens in this call, ``P`` the position of the first of them,
 ``D = n_embd``, ``F = n_ff``, ``Hq/Hkv`` heads, ``d`` head dim (``{arch}.attention.key_length``
@@ -39,6 +41,7 @@ from .args import ModelArgs
 from ..quant.qweight import QWeight
 from .ffn import FFN
 from .kernels import attend_one, embed, linear
+from .moe import experts_builder
 from .kv_cache import KVCache, available_memory, check_head_dim, kv_dtypes, load, size_text as _size, store
 from .weights import (check_dequantized, dense_layout, is_quantized, load_concat, load_matrix, load_tensor, stack_rows,
                       tensor_shape, zeros)
@@ -319,6 +322,7 @@ class Transformer:
         # f16 or bf16: no f32 copy); the torch backend dequantizes to ``dtype`` at load.
         mapped = kernels.backend() == "c"
         check_dequantized(g, dtype, mapped, available_memory())  # before any allocation
+        ffn_builder = ffn_builder or experts_builder(g, a)  # mixture-of-experts files (moe.py), checked here
         self.quantized = is_quantized(g) and mapped
         self.tok_embd = load_matrix(g, "token_embd.weight", dtype, mapped)  # [V, D]
         if self.tok_embd.shape != (a.n_vocab or self.tok_embd.shape[0], a.n_embd):

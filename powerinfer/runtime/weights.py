@@ -207,8 +207,9 @@ def is_quantized(g: GGUFFile) -> bool:
 
 def _computed_in_place(kind: str, ndim: int, mapped: bool) -> bool:
     """True when a tensor of GGML type ``kind`` stays in the file's bytes (a :class:`QWeight` the
-    C kernels compute on): ``mapped`` (the C backend), a 2-D matrix of one of :data:`MAPPED_TYPES`."""
-    return mapped and kind in MAPPED_TYPES and ndim == 2
+    C kernels compute on): ``mapped`` (the C backend), a 2-D matrix of one of :data:`MAPPED_TYPES`, or
+    a 3-D stack of such matrices (MoE experts, sliced by rows in :mod:`.moe`)."""
+    return mapped and kind in MAPPED_TYPES and ndim in (2, 3)
 
 
 def _dequantizable(t) -> bool:
@@ -284,17 +285,27 @@ def load_matrix(g: GGUFFile, name: str, dtype: torch.dtype, mapped: bool, dense_
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
     if not _computed_in_place(kind, len(shape), mapped) or _NATIVE.get(kind) == dtype:
         return load_tensor(g, name, dtype)  # a quantized one: allowed by check_dequantized
+    w = mapped_rows(g, name, shape[0], shape[1])
+    return dense_layout(g, [name], w) if dense_use else w
+
+
+def mapped_rows(g: GGUFFile, name: str, n_rows: int, n_cols: int) -> QWeight:
+    """Tensor ``name`` (a type of :data:`MAPPED_TYPES`) as one :class:`QWeight` view of the map of
+    ``n_rows`` rows of ``n_cols`` values (a 3-D stack of experts: ``n_expert * rows`` rows), its
+    scales checked: PowerInferError naming the file, tensor and row for a NaN or infinite one."""
+    t = _tensor(g, name)
+    kind = t.tensor_type.name
     bt = MAPPED_TYPES[kind]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only map; weights are never written
-        raw = torch.from_numpy(t.data.view(np.uint8).reshape(shape[0], bt.row_bytes(shape[1])))
-    w = QWeight(raw, bt, shape[0], shape[1])
+        raw = torch.from_numpy(t.data.view(np.uint8).reshape(n_rows, bt.row_bytes(n_cols)))
+    w = QWeight(raw, bt, n_rows, n_cols)
     bad = w.first_nonfinite_row()
     if bad is not None:
         what = "value" if kind == "F16" else "block scale"
         raise PowerInferError(f"{g.path}: tensor {name!r} ({kind}) has a NaN or infinite {what} in row {bad}: "
                               "the file is corrupt")
-    return dense_layout(g, [name], w) if dense_use else w
+    return w
 
 
 def dense_layout(g: GGUFFile, names: list[str], w):
