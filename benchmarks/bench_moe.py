@@ -42,7 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_ram_budget as rb  # noqa: E402
-from bench_llama3 import LlamaBench, PiRun, Result, load_avg1  # noqa: E402
+from bench_llama3 import AVX2_ENV, LlamaBench, PiRun, Result, load_avg1  # noqa: E402
 
 SHAPES = ("smallthinker-21b", "qwen3-30b-a3b")
 TEXT_ARGS = ["--temp", "0", "--ignore-eos"]
@@ -171,7 +171,7 @@ def tps0(r: rb.Result | None) -> float:
 
 def projection(r: rb.Result, unlimited_tps: float | None) -> str:
     """NVMe (3 GB/s, 500K IOPS) tok/s from the run's reads per token and the unlimited time per token."""
-    if not unlimited_tps or not r.extra.get("n_tokens") or r.killed:
+    if not unlimited_tps or not r.extra.get("n_tokens") or r.killed or not r.tps:
         return "-"
     n = r.extra["n_tokens"]
     io = max(r.extra["disk_reqs"] / n / 500e3, r.extra["disk_bytes"] / n / 3e9)
@@ -179,8 +179,9 @@ def projection(r: rb.Result, unlimited_tps: float | None) -> str:
 
 
 def limited(f: Path, shape: str, threads: list[int], share: float, cap: int, n_text: int, timeout: float,
-            bins: Path, budget_margin: float, ram: dict, log: list) -> list[str]:
-    """Part 2 and 3 for file ``f``: the table rows (markdown)."""
+            bins: Path, budget_margin: float, ram: dict, log: list, avx2: bool) -> list[str]:
+    """Part 2 and 3 for file ``f``: the table rows (markdown); ``avx2``: pi-run's kernels built for
+    ``haswell``, torch limited to AVX2, f32 compute (as ``bench_llama3.PiRun``)."""
     llama_bench, completion = bins / "llama-bench", bins / "llama-completion"
     env = {"LD_LIBRARY_PATH": f"{bins}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
     limit = int(share * f.stat().st_size)
@@ -188,12 +189,13 @@ def limited(f: Path, shape: str, threads: list[int], share: float, cap: int, n_t
     print(f"{shape}: {f} {f.stat().st_size / 1e9:.2f} GB; cgroup limit {limit / 1e9:.2f} GB ({share}x); "
           f"--ram-budget {budget:.2f} GiB; load average {os.getloadavg()[0]:.2f}", flush=True)
     rows = []
+    pi_env = {"POWERINFER_MARCH": "haswell", **AVX2_ENV} if avx2 else {}
     for th in threads:
-        t = ["-t", str(th)]
+        t = ["-t", str(th)] + (["--dtype", "f32"] if avx2 else [])
         ll_text = measured(f"llama-completion t{th}", llama_completion_cmd(completion, f, n_text, th), None, timeout,
                            [], lambda r: None, n_text, env)
         full = measured(f"pi-run t{th}", rb.pi_cmd(f, n_text, TEXT_ARGS + t), None, timeout, [],
-                        lambda r: rb.parse_pi(r, False), n_text)
+                        lambda r: rb.parse_pi(r, False), n_text, pi_env)
         if full.rc != 0:
             rows.append(f"| {shape} | {th} | pi-run not loadable: {refusal(full.err)[:120]} | | | | | | |")
             log.append({"shape": shape, "threads": th, "pi_run": asdict(full)})
@@ -207,10 +209,10 @@ def limited(f: Path, shape: str, threads: list[int], share: float, cap: int, n_t
             continue
         same_ll = generated(ll_text.text) == generated(full.text)
         runs = {"pi-run": measured(f"pi-run t{th}", rb.pi_cmd(f, n_text, TEXT_ARGS + t), limit, timeout, [f],
-                                   lambda r: rb.parse_pi(r, False), n_text)}
+                                   lambda r: rb.parse_pi(r, False), n_text, pi_env)}
         budget_args = ["--ram-budget", f"{budget:.3f}"]
         runs["pi-run --ram-budget"] = measured(f"pi-run --ram-budget t{th}", rb.pi_cmd(f, n_text, TEXT_ARGS + t + budget_args),
-                                               limit, timeout, [f], lambda r: rb.parse_pi(r, False), n_text)
+                                               limit, timeout, [f], lambda r: rb.parse_pi(r, False), n_text, pi_env)
         runs["llama.cpp"] = measured(f"llama.cpp t{th}", [str(llama_bench), "-m", str(f), "-p", "0", "-n", str(cap), "-t",
                                                          str(th), "-r", "1", "-o", "json"], limit, timeout, [f],
                                      rb.parse_llama, cap + 1, env)
@@ -293,7 +295,8 @@ def main(argv: list[str] | None = None) -> None:
                 "NVMe projection tok/s | GB read per token | greedy text == unlimited |",
                 "|---|--:|---|--:|--:|--:|--:|--:|--:|---|"]
         for shape, f in files.items():
-            out += limited(f, shape, threads, a.share, a.cap, a.n_text, a.timeout, a.llama_bin, a.budget_margin, ram, log)
+            out += limited(f, shape, threads, a.share, a.cap, a.n_text, a.timeout, a.llama_bin, a.budget_margin, ram, log,
+                           a.avx2)
             jpath.write_text(json.dumps({"header": header, "runs": log}, indent=1))
     print("\n".join(out))
     print(f"load average {os.getloadavg()[0]:.2f}; raw runs: {jpath}")
