@@ -30,7 +30,10 @@ distribution as the one it was designed on.
   hottest 10% carry ``neuron_top10``), as the PowerInfer benchmark models' predictors are designed.
 
 Designed on the even tokens of a calibration text, measured on the odd ones, in the shallow model
-and in its layers repeated ``repeat`` times each (the deep file's layer ``k`` is layer ``k // repeat``).
+and in its layers repeated ``repeat`` times each (the deep file's layer ``k`` is layer ``k // repeat``);
+with ``repeat`` > 1 each layer is designed on the residuals its first copy in the deep file sees (the
+deep file is the one benchmarked; the residual's noise still grows a little over the copies, and the
+firing shares with it: ``design.json`` has every layer's figures).
 The measuring forward pass (:func:`forward_layer`) is this module's own, f32 from the f16 weights
 as written; it is for the statistics, not a reference for logits (the tests compare the runtimes
 with transformers and llama.cpp). The model is random: its text is noise, it is for speed.
@@ -73,7 +76,7 @@ class MoeShape:
     expert_top10: float = 0.30  # share of routings on the hottest 10% of experts
     neuron_active: float = 0.10  # ReGLU experts: mean firing probability of a neuron
     neuron_top10: float = 0.54  # ReGLU experts: share of firings on the hottest 10% of an expert's neurons
-    layer_gain: float = 0.1  # each layer's additions, per dimension, in units of SIGMA
+    layer_gain: float = 0.05  # each layer's additions, per dimension, in units of SIGMA
     calib_tokens: int = 1024
     seed: int = 0
 
@@ -381,7 +384,10 @@ def build_moe_hf(d: str | Path, s: MoeShape, tokenizer_files: dict[str, Path], t
     for il in range(s.n_layer):
         t1 = time.time()
         L = random_layer(s, gen)
-        design_layer(s, L, h, il, gen, design)
+        if repeat > 1:  # designed on what the deep file's first copy of this layer sees
+            design_layer(s, L, h_deep, il * repeat, gen, design)
+        else:
+            design_layer(s, L, h, il, gen, design)
         h, st = forward_layer(s, L, h, il, held)
         shallow_stats.append(st.summary(s))
         for r in range(repeat if repeat > 1 else 0):
