@@ -147,26 +147,15 @@ def check_model(model_dir: str | Path) -> CheckedModel:
 
 
 def _check_tensors(model_dir: Path, family: Family, reader: Any) -> int:
-    """Every parameter of the meta-device model against the checkpoint headers; returns the
-    embedding's row count."""
-    from transformers import AutoModelForCausalLM
-
-    src = model_dir / "config.json"
-    config = load_hf_config(model_dir)
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
-    except Exception as e:  # noqa: BLE001 - transformers rejects an inconsistent config in many ways
-        raise PowerInferError(f"{src}: transformers cannot build this model ({str(e).splitlines()[0][:300]})") from None
-    reader.prefix = model.base_model_prefix
-    emb = model.get_input_embeddings().weight
+    """Every parameter of the meta-device model (or of the family's ``checkpoint_tensors``) against the
+    checkpoint headers; returns the embedding's row count."""
     seen: set[int] = set()
-    params = {k: t for k, t in model.state_dict(keep_vars=True).items()}
-    if family.checkpoint_ffn is not None:  # MoE: transformers 5 fuses the experts the checkpoint stores one by one
-        cfg = resolve_model(model_dir)[1]
-        params = {k: t for k, t in params.items() if ".mlp." not in k}
-        for i in range(config.num_hidden_layers):
-            params.update({k: torch.empty(s, device="meta") for k, s in family.checkpoint_ffn(cfg, i).items()})
+    if family.checkpoint_tensors is not None:  # a family transformers has no class for (SmallThinker)
+        params = {k: torch.empty(s, device="meta") for k, s in family.checkpoint_tensors(resolve_model(model_dir)[1]).items()}
+        n_rows = params["model.embed_tokens.weight"].shape[0]
+        reader.prefix = "model"
+    else:
+        params, n_rows = _meta_params(model_dir, family, reader)
     for key, t in params.items():
         if id(t) in seen:  # a tied copy (the output head of a tied model)
             continue
@@ -183,7 +172,29 @@ def _check_tensors(model_dir: Path, family: Family, reader: Any) -> int:
         if t.is_floating_point() and dtype not in FLOAT_DTYPES:
             raise PowerInferError(f"{model_dir}: tensor {key!r} is stored as {dtype}; only float weights "
                                   f"({', '.join(FLOAT_DTYPES)}) can be read (a quantized checkpoint?)")
-    return int(emb.shape[0])
+    return int(n_rows)
+
+
+def _meta_params(model_dir: Path, family: Family, reader: Any) -> tuple[dict[str, torch.Tensor], int]:
+    """The parameters (meta device) of the transformers model the config builds, with MoE experts in
+    the published checkpoint's per-expert names, and the embedding's row count."""
+    from transformers import AutoModelForCausalLM
+
+    config = load_hf_config(model_dir)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - transformers rejects an inconsistent config in many ways
+        raise PowerInferError(f"{model_dir / 'config.json'}: transformers cannot build this model "
+                              f"({str(e).splitlines()[0][:300]})") from None
+    reader.prefix = model.base_model_prefix
+    params = dict(model.state_dict(keep_vars=True))
+    if family.checkpoint_ffn is not None:  # MoE: transformers 5 fuses the experts the checkpoint stores one by one
+        cfg = resolve_model(model_dir)[1]
+        params = {k: t for k, t in params.items() if ".mlp." not in k}
+        for i in range(config.num_hidden_layers):
+            params.update({k: torch.empty(s, device="meta") for k, s in family.checkpoint_ffn(cfg, i).items()})
+    return params, int(model.get_input_embeddings().weight.shape[0])
 
 
 def _adapted_config(model_dir: str | Path):

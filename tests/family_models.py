@@ -22,14 +22,14 @@ N_LAYER = 3
 PROSPARSE_THRESHOLD = 0.3  # ProSparse-7B ships 0.01; larger here so FATReLU differs from ReLU at this scale
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Weights (2-D, and 3-D stacked experts) N(0, 0.2); 1-D parameters (norm weights, biases) around 1
+def _randomize(model: torch.nn.Module, seed: int, std: float = 0.2) -> None:
+    """Weights (2-D, and 3-D stacked experts) N(0, ``std``); 1-D parameters (norm weights, biases) around 1
     and 0 with spread 0.1."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+                p.copy_(torch.randn(p.shape, generator=g) * std)
             elif name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
             else:
@@ -182,9 +182,10 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 MISTRAL_WINDOW = 8  # shorter than the test prompt
 
 
-def _modern(cls_name: str, out_dir: Path, seed: int, **cfg_kw) -> Path:
+def _modern(cls_name: str, out_dir: Path, seed: int, weight_std: float = 0.2, **cfg_kw) -> Path:
     """A tiny random ``{cls_name}`` (vocab 512 with stories260K's SentencePiece tokenizer, n_embd 64,
-    n_ff 128, N_LAYER layers, 4 heads / 2 kv heads unless ``cfg_kw`` says otherwise) saved in HF layout."""
+    n_ff 128, N_LAYER layers, 4 heads / 2 kv heads unless ``cfg_kw`` says otherwise) saved in HF layout;
+    matrices N(0, ``weight_std``)."""
     import transformers
 
     kw = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=N_LAYER,
@@ -194,7 +195,7 @@ def _modern(cls_name: str, out_dir: Path, seed: int, **cfg_kw) -> Path:
     cfg = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))(**kw)
     torch.manual_seed(seed)
     model = getattr(transformers, cls_name)(cfg)
-    _randomize(model, seed)
+    _randomize(model, seed, weight_std)
     if cfg.tie_word_embeddings:
         model.tie_weights()
     _save(model, out_dir)
@@ -238,12 +239,57 @@ def make_mixtral(out_dir: Path, **kw) -> Path:
                    "intermediate_size": 64, "rope_theta": 1000000.0, "sliding_window": None, **kw})
 
 
+def make_mixtral_kquant(out_dir: Path) -> Path:
+    """A Mixtral wide enough for llama.cpp's K-quants (n_embd 256, 4 experts of width 256, 2 per token,
+    2 layers; weights N(0, 0.05), so the 256-wide products do not blow the activations up)."""
+    return make_mixtral(out_dir, hidden_size=256, intermediate_size=256, num_hidden_layers=2, weight_std=0.05)
+
+
 def make_qwen3moe(out_dir: Path, **kw) -> Path:
     """Qwen3-30B-A3B's layout shrunk: 8 experts of width 32 (``moe_intermediate_size``), 3 per token,
     ``norm_topk_prob`` true (as published), q/k norms, head_dim 32, dense width 128 unused."""
     return _modern("Qwen3MoeForCausalLM", out_dir, 18, **{"num_experts": 8, "num_experts_per_tok": 3,
                    "moe_intermediate_size": 32, "norm_topk_prob": True, "rope_theta": 1000000.0,
                    "rms_norm_eps": 1e-6, "head_dim": 32, "use_sliding_window": False, **kw})
+
+
+SMALLTHINKER_CONFIG = {
+    "architectures": ["SmallThinkerForCausalLM"], "model_type": "smallthinker", "vocab_size": 512,
+    "hidden_size": 64, "num_hidden_layers": N_LAYER, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "moe_num_primary_experts": 4, "moe_num_active_primary_experts": 2, "moe_ffn_hidden_size": 64,
+    "moe_primary_router_apply_softmax": False, "sliding_window_layout": [0, 1, 1], "sliding_window_size": 4096,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 4096, "hidden_act": "relu",
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+}
+
+
+def make_smallthinker(out_dir: Path, **kw) -> Path:
+    """SmallThinker-4BA0.6B's layout shrunk (transformers has no class: the checkpoint is written here by
+    name): 4 ReLU experts of width 64, 2 per token, a sigmoid router on the layer input, layer 0 full
+    attention without RoPE and layers 1-2 sliding (window 4096, as published), GQA 4/2."""
+    from safetensors.torch import save_file
+
+    cfg = {**SMALLTHINKER_CONFIG, **kw}
+    D, hd, V, E, Fx = cfg["hidden_size"], cfg["head_dim"], cfg["vocab_size"], cfg["moe_num_primary_experts"], \
+        cfg["moe_ffn_hidden_size"]
+    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,), "lm_head.weight": (V, D)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
+                       p + "self_attn.q_proj.weight": (4 * hd, D), p + "self_attn.k_proj.weight": (2 * hd, D),
+                       p + "self_attn.v_proj.weight": (2 * hd, D), p + "self_attn.o_proj.weight": (D, 4 * hd),
+                       p + "block_sparse_moe.primary_router.weight": (E, D)})
+        for x in range(E):
+            q = f"{p}block_sparse_moe.experts.{x}."
+            shapes.update({q + "gate.weight": (Fx, D), q + "up.weight": (Fx, D), q + "down.weight": (D, Fx)})
+    g = torch.Generator().manual_seed(19)
+    sd = {k: (torch.randn(s, generator=g) * 0.2 if len(s) == 2 else 1.0 + torch.randn(s, generator=g) * 0.1)
+          for k, s in shapes.items()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(sd, out_dir / "model.safetensors", metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=1))
+    _spm_tokenizer(out_dir)
+    return out_dir
 
 
 MOE_BUILDERS = {

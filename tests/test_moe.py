@@ -9,6 +9,9 @@
    ``llama-perplexity`` within 0.1% (``moe_references.json``; the test needs no llama.cpp).
 3. Quantized experts (Q4_0, Q8_0) are computed in the file's bytes and equal a dequantized reference;
    batched decoding (``-np``: the union of the routed experts) equals each sequence alone.
+4. SmallThinker (no transformers class: llama.cpp is the reference): ``make_smallthinker``'s checkpoint
+   converted by ``pi-convert`` gives llama.cpp's converter's tensors; on llama.cpp's file our greedy ids
+   and PPL equal llama.cpp's; its NoPE layer, pre-attention router and sigmoid gate each matter.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from family_models import MOE_BUILDERS
+from family_models import MOE_BUILDERS, make_smallthinker
 from gguf_edit import BOOL, KV, U32, parse, serialize
 from helpers import DATA, alone, batched, need, teacher_forced
 from powerinfer.convert.writer import convert
@@ -31,6 +34,7 @@ from powerinfer.formats.gguf_file import open_gguf
 from powerinfer.hf import load_hf_model
 from powerinfer.quant.qweight import QWeight
 from powerinfer.runtime import kernels
+from powerinfer.runtime.loading import load_model
 from powerinfer.runtime.model import Transformer
 from powerinfer.runtime.moe import ExpertsFFN
 from powerinfer.runtime.tokenizer import GGUFTokenizer
@@ -41,6 +45,7 @@ ARCH = {"mixtral": "llama", "qwen3moe": "qwen3moe"}
 EXPERTS = {"mixtral": (4, 2, 64), "qwen3moe": (8, 3, 32)}  # n_expert, n_used, expert width
 IDS = list(range(3, 43))
 N_PREFILL = 24
+REFERENCE_MODELS = [*MOE_BUILDERS, "smallthinker"]  # moe_references.json
 PROMPTS = [[1, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110], [1, 200, 201], [1, 300, 5, 6, 7, 8], [1, 42]]
 
 
@@ -79,9 +84,13 @@ def test_metadata_and_tensor_types(fam):
     assert not any(name.startswith("blk.0.ffn_gate.") or name.startswith("blk.0.ffn_up.") for name in g.tensors)
     ffn = Transformer(g).layers[0].ffn
     assert isinstance(ffn, ExpertsFFN) and len(ffn.gate) == n and ffn.ea.n_used == k and ffn.ea.norm_w
-    assert all(isinstance(x, QWeight) and x.shape == (w, 64) for x in ffn.gate)  # views, no f32 copies
-    base = g.tensors["blk.0.ffn_gate_exps.weight"].data.ctypes.data
-    assert ffn.gate[1].raw.data_ptr() == base + ffn.gate[0].raw.nbytes  # expert 1's rows follow expert 0's in the map
+    row = g.tensors["blk.0.ffn_gate_exps.weight"].n_bytes // (n * w)  # Q4_0 bytes, no f32 copies:
+    assert all(isinstance(x, QWeight) and x.shape == (w, 64) and x.layout == "x8" and x.nbytes == w * row
+               for x in ffn.gate)  # each expert its own rows in 8-row groups, as dense matrices
+    g32 = open_gguf(fam.f32)
+    f32 = Transformer(g32).layers[0].ffn
+    base = g32.tensors["blk.0.ffn_gate_exps.weight"].data.ctypes.data
+    assert [x.data_ptr() for x in f32.gate] == [base + e * w * 64 * 4 for e in range(n)]  # f32: views of the map
 
 
 def test_logits_equal_transformers_prefill_and_decode(fam):
@@ -167,12 +176,12 @@ def test_llamacpp_gguf_logits_equal_transformers(fam):
 
 
 # --------------------------------------------------------------------------- llama.cpp's GGUF -> ours
-@pytest.mark.parametrize("name", list(MOE_BUILDERS))
+@pytest.mark.parametrize("name", REFERENCE_MODELS)
 def test_llamacpp_gguf_greedy_equals_llamacpp(name):
     r = references()[name]
     g = open_gguf(need(LLAMACPP / r["gguf"]))
     assert GGUFTokenizer(g).encode(r["prompt"], add_bos=True) == r["prompt_ids"]
-    m = Transformer(g, n_ctx=256)
+    m = load_model(str(LLAMACPP / r["gguf"]), "f32", n_ctx=256, g=g)[0]  # SmallThinker: its own Transformer
     ids, out = list(r["prompt_ids"]), []
     with torch.inference_mode():
         logits = m.forward(torch.tensor(ids), 0)
@@ -182,7 +191,7 @@ def test_llamacpp_gguf_greedy_equals_llamacpp(name):
     assert out == r["greedy_ids"]
 
 
-@pytest.mark.parametrize("name", list(MOE_BUILDERS))
+@pytest.mark.parametrize("name", REFERENCE_MODELS)
 def test_llamacpp_gguf_perplexity_equals_llamacpp(name):
     r = references()[name]
     res = CliRunner().invoke(ppl_main, ["-m", str(need(LLAMACPP / r["gguf"])), "-f", str(need(DATA / r["ppl_text"])),
@@ -190,6 +199,28 @@ def test_llamacpp_gguf_perplexity_equals_llamacpp(name):
     assert res.exit_code == 0, res.output
     ppl = float(re.search(r"Final estimate: PPL = ([0-9.]+)", res.output).group(1))
     assert abs(ppl / r["ppl"] - 1) < 1e-3, f"{name}: pi-perplexity {ppl:.4f}, llama-perplexity {r['ppl']:.4f}"
+
+
+def test_llamacpp_k_quant_moe_file_runs_in_place_and_follows_llamacpp():
+    """llama.cpp's Q4_K_M of a 256-wide Mixtral (Q4_K experts, a Q6_K ffn_down_exps): every expert runs
+    in its own bytes; fed llama.cpp's 32 greedy tokens, its choice is our best logit at >= 28 steps and
+    within 0.05 of it at all; the perplexity is within 0.5% of llama-perplexity's. The engines round
+    the activations of K-quant products differently (q8_K blocks of 256 there, q8 blocks of 32 here),
+    which moves near-ties, as for dense K-quant files (test_kquants)."""
+    r = references()["mixtral_q4_k_m"]
+    p = need(LLAMACPP / r["gguf"])
+    m = Transformer(open_gguf(p), n_ctx=256)
+    kinds = {w.btype.name for layer in m.layers for w in (*layer.ffn.gate, *layer.ffn.up, *layer.ffn.down)}
+    assert kinds == {"Q4_K", "Q6_K"} and all(w.layout == "x8" for w in m.layers[1].ffn.down)
+    seq = r["prompt_ids"] + r["greedy_ids"]
+    with torch.inference_mode():
+        logits = m.forward(torch.tensor(seq[:-1]), 0, all_logits=True)[len(r["prompt_ids"]) - 1:]
+    gap = [float(lg.max() - lg[t]) for lg, t in zip(logits, r["greedy_ids"])]
+    assert sum(g == 0 for g in gap) >= 28 and max(gap) < 0.05, gap
+    res = CliRunner().invoke(ppl_main, ["-m", str(p), "-f", str(need(DATA / r["ppl_text"])), "-c", str(r["ppl_ctx"]),
+                                        "-b", str(r["ppl_ctx"]), "-t", "1", "--dtype", "f32"])
+    ppl = float(re.search(r"Final estimate: PPL = ([0-9.]+)", res.output).group(1))
+    assert abs(ppl / r["ppl"] - 1) < 5e-3, (ppl, r["ppl"])
 
 
 # --------------------------------------------------------------------------- bad input
@@ -305,3 +336,85 @@ def test_pi_server_np4_serves_moe_requests_as_each_alone(tmp_path):
         assert busy > 1.0  # the four shared decode steps
     finally:
         s.stop()
+
+
+def test_published_qwen3moe_key_num_experts_is_read(tmp_path):
+    """Published Qwen3-MoE configs name the expert count ``num_experts`` (transformers 5 saves
+    ``num_local_experts``): the same file either way."""
+    d = MOE_BUILDERS["qwen3moe"](tmp_path / "hf")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["num_experts"] = cfg.pop("num_local_experts")
+    (d / "config.json").write_text(json.dumps(cfg))
+    g = open_gguf(convert(d, tmp_path / "m.gguf", outtype="f32", progress=False))
+    assert g.get("qwen3moe.expert_count") == 8 and "blk.2.ffn_down_exps.weight" in g.tensors
+
+
+def test_profiling_an_moe_model_is_refused_in_one_line(tmp_path):
+    from powerinfer.calibrate.session import open_session
+
+    d = MOE_BUILDERS["mixtral"](tmp_path / "hf")
+    with pytest.raises(PowerInferError, match=r"config.json: pi-profile does not support mixture-of-experts models"):
+        open_session(d, "pi-profile")
+
+
+
+# --------------------------------------------------------------------------- SmallThinker
+@pytest.fixture(scope="module")
+def smallthinker(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("smallthinker")
+    d = make_smallthinker(tmp / "hf")
+    return SimpleNamespace(dir=d, f32=convert(d, tmp / "m.gguf", outtype="f32", progress=False))
+
+
+def test_smallthinker_tensors_equal_llama_cpps_converter(smallthinker):
+    ours, theirs = open_gguf(smallthinker.f32), open_gguf(need(LLAMACPP / "smallthinker.gguf"))
+    assert set(ours.tensors) == set(theirs.tensors)
+    for name, t in theirs.tensors.items():
+        assert np.array_equal(np.asarray(ours.tensors[name].data), np.asarray(t.data)), name
+    for key in ("expert_count", "expert_used_count", "expert_feed_forward_length", "expert_gating_func",
+                "attention.sliding_window", "feed_forward_length"):
+        assert ours.get(f"smallthinker.{key}") == theirs.get(f"smallthinker.{key}"), key
+
+
+def test_smallthinker_features_are_not_vacuous(smallthinker):
+    """RoPE on the NoPE layer 0, the router on the FFN norm's output instead of the layer input, or a
+    softmax gate instead of the sigmoid each change the logits (llama.cpp agrees with the base: above)."""
+    import dataclasses
+
+    from powerinfer.runtime.smallthinker import SmallThinkerTransformer
+
+    g = open_gguf(smallthinker.f32)
+    m = SmallThinkerTransformer(g)
+    assert m.rules == [(False, None), (True, 4096), (True, 4096)]
+    base = teacher_forced(m, IDS, N_PREFILL)
+    for change in ("rope", "router", "gate"):
+        m = SmallThinkerTransformer(g)
+        if change == "rope":
+            m.rules[0] = (True, None)
+        for layer in m.layers:
+            if change == "router":
+                layer.ffn.pre_attention = False
+            elif change == "gate":
+                layer.ffn.ea = dataclasses.replace(layer.ffn.ea, gating="softmax")
+        assert (teacher_forced(m, IDS, N_PREFILL) - base).abs().max().item() > 1e-2, change
+
+
+def test_smallthinker_refusals_are_one_line(tmp_path):
+    """The plain Transformer (no pre-attention router), several sequences at once, and a sliding-window
+    pattern other than llama.cpp's default: one line each, before anything is loaded."""
+    from powerinfer.runtime.batch import check_batchable
+
+    p = need(LLAMACPP / "smallthinker.gguf")
+    with pytest.raises(PowerInferError, match=f"^{re.escape(str(p))}: smallthinker files run with "):
+        Transformer(open_gguf(p))
+    with pytest.raises(PowerInferError, match=r"-np > 1\) do not run SmallThinker files yet"):
+        check_batchable(load_model(str(p), "f32")[0])
+    bad = _edited(tmp_path, "smallthinker", _set("smallthinker.attention.sliding_window_pattern", U32, 2))
+    with pytest.raises(PowerInferError, match="sliding_window_pattern is not supported"):
+        load_model(bad, "f32")
+
+
+def test_smallthinker_with_predictors_is_refused(smallthinker, tmp_path):
+    """SmallThinker is ReLU, but its neurons belong to experts: pi-convert with a predictor folder refuses."""
+    with pytest.raises(PowerInferError, match="mixture-of-experts model: predictor"):
+        convert(smallthinker.dir, tmp_path / "m.gguf", tmp_path / "no-predictors", progress=False)

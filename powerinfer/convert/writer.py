@@ -251,6 +251,9 @@ def convert(model_dir: str | Path, outfile: str | Path, pred_dir: str | Path | N
     sparse = pred_dir is not None
     predictors = None
     if sparse:
+        if family.experts:
+            raise PowerInferError(f"{model_dir / 'config.json'}: {family.name} is a mixture-of-experts model: "
+                                  "predictor (PowerInfer) files of experts are not supported; convert without predictors")
         if not act.is_sparse:
             raise PowerInferError(f"{model_dir / 'config.json'}: activation {act.kind!r} is not ReLU-family, so its FFN "
                                   "has no sparsity to predict; convert without predictors for a dense GGUF" + act.note)

@@ -11,6 +11,7 @@ instead of hard-coding names. One small module per family declares its
 * :mod:`.qwen`   -- Qwen2 / Qwen2.5 and Qwen3 (GGUF ``qwen2``, ``qwen3``)
 * :mod:`.mixtral` -- Mixtral, experts on a Mistral body (GGUF ``llama`` with ``ffn_*_exps``; :mod:`.experts`)
 * :mod:`.qwen3moe` -- Qwen3-MoE (GGUF ``qwen3moe``)
+* :mod:`.smallthinker` -- SmallThinker: pre-attention router, NoPE and sliding layers (GGUF ``smallthinker``)
 * :mod:`.bamboo` -- Bamboo-7B, dReLU on a Mistral body (GGUF ``bamboo``)
 * :mod:`.falcon` -- ReLU-Falcon-40B, also legacy ``RWForCausalLM`` configs (GGUF ``falcon``)
 * :mod:`.opt`    -- OPT (GGUF ``opt``)
@@ -31,6 +32,7 @@ from .mistral import MISTRAL  # noqa: E402
 from .qwen import QWEN2, QWEN3  # noqa: E402
 from .mixtral import MIXTRAL  # noqa: E402
 from .qwen3moe import QWEN3MOE  # noqa: E402
+from .smallthinker import SMALLTHINKER  # noqa: E402
 from .bamboo import BAMBOO  # noqa: E402
 from .falcon import FALCON  # noqa: E402
 from .opt import OPT  # noqa: E402
@@ -39,6 +41,6 @@ __all__ = [
     "Activation", "Family", "TensorRule", "FAMILIES", "SPARSE_ACTIVATIONS", "DENSE_ACTIVATIONS",
     "register_family", "family_for_config", "family_for_gguf_arch", "read_hf_config", "adapt_config",
     "activation_from_config", "hf_dims", "rope_theta", "get_attr", "model_layers", "weight_and_bias",
-    "RELU_LLAMA", "PROSPARSE", "LLAMA3", "MISTRAL", "QWEN2", "QWEN3", "MIXTRAL", "QWEN3MOE", "BAMBOO", "FALCON", "OPT",
+    "RELU_LLAMA", "PROSPARSE", "LLAMA3", "MISTRAL", "QWEN2", "QWEN3", "MIXTRAL", "QWEN3MOE", "SMALLTHINKER", "BAMBOO", "FALCON", "OPT",
     "ACTIVATION_CHOICES", "ffn_activation_override", "resolve_activation",
 ]

@@ -154,7 +154,9 @@ class Family:
     router ``ffn_gate_inp`` and 3-D expert tensors ``ffn_{gate,up,down}_exps`` (llama.cpp's
     names; the runtime's :mod:`powerinfer.runtime.moe`); ``checkpoint_ffn(cfg, layer)`` gives
     the published checkpoint's FFN tensor names and shapes of one layer (transformers 5 builds
-    fused expert parameters on the meta device, so the config check compares these instead).
+    fused expert parameters on the meta device, so the config check compares these instead);
+    ``checkpoint_tensors(cfg)``: every checkpoint tensor and shape, for a family transformers has no
+    class for (SmallThinker), which the config check then compares instead of a meta-device model.
     """
 
     name: str
@@ -185,6 +187,7 @@ class Family:
     gguf_kv: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     experts: bool = False
     checkpoint_ffn: Callable[[dict[str, Any], int], dict[str, tuple[int, ...]]] | None = None
+    checkpoint_tensors: Callable[[dict[str, Any]], dict[str, tuple[int, ...]]] | None = None
 
     @property
     def gated(self) -> bool:

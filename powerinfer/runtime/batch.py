@@ -73,6 +73,9 @@ def check_batchable(model: Transformer) -> None:
                               "run them with -np 1")
     if model.placement is not None:
         raise PowerInferError("several sequences at once (-np > 1) do not run with GPU offload (--vram-budget) yet")
+    if getattr(model, "per_layer_attention", False):
+        raise PowerInferError("several sequences at once (-np > 1) do not run SmallThinker files yet (per-layer RoPE "
+                              "and window, pre-attention router): run them with -np 1")
     if getattr(model, "residency", None) is not None:
         raise PowerInferError("several sequences at once (-np > 1) do not run under a RAM budget (--ram-budget) yet: "
                               "the batched steps read every sequence's FFN rows from full matrices")

@@ -56,8 +56,11 @@ def load_model(path: str, dtype: str = "f32", dense: bool = False, n_ctx: int | 
         if note is not None:
             note(plan.summary())
         return model, tok
-    model = Transformer(g, compute_dtype(dtype), dense=dense, n_ctx=n_ctx, cache_type_k=cache_type_k,
-                        cache_type_v=cache_type_v)
+    cls = Transformer
+    if g.arch == "smallthinker":  # pre-attention router, NoPE and sliding layers (runtime/smallthinker.py)
+        from .smallthinker import SmallThinkerTransformer as cls
+    model = cls(g, compute_dtype(dtype), dense=dense, n_ctx=n_ctx, cache_type_k=cache_type_k,
+                cache_type_v=cache_type_v)
     return model, tok
 
 
