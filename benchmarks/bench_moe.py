@@ -11,13 +11,18 @@ Both engines read the same file.
 2. Greedy text, in RAM: ``llama-completion --temp 0`` and ``pi-run --temp 0`` on the same prompt (the
    runtimes compared token for token; the model is random, so its text is noise).
 3. Under a memory cgroup limited to ``--share`` (0.4) of the file, the file evicted from the page
-   cache before every run (``bench_ram_budget.run``): llama.cpp (``llama-bench -p 0 -n CAP``), pi-run
+   cache before every run (``bench_ram_budget.run``): llama.cpp (``llama-bench -p 0 -n CAP``, as it runs by
+   default, Q4_0 repacked for AVX2 into anonymous memory, and with ``--repack 0``), pi-run
    (greedy, its text compared with the unlimited run's) and pi-run ``--ram-budget`` (when the runtime
-   takes it for this file), at each thread count; a killed run counts as 0 tok/s. Every run's bytes
+   takes it for this file), at each thread count; a killed run counts as 0 tok/s, and pi-run is compared
+   with the better of the two llama.cpp runs. Every run's bytes
    and requests read from the disk (``/proc/diskstats``, the whole machine's, during the run) give the
    reads per token and a projection onto an NVMe disk (3 GB/s, 500K IOPS) as ``bench_ram_budget.py``
    makes it: 1 / (the unlimited run's time per token + max(requests / 500K, bytes / 3 GB/s)).
    The disk's own rates come from an O_DIRECT probe (``bench_ram_budget.disk_probe``).
+
+``--cpu-time`` instead measures decode tokens per CPU-second at 1 thread for both engines on every file
+(``bench_llama3.cpu_time_table``), which other busy processes on the machine barely change.
 
 A runtime that cannot load a file (the one-line refusal of a family it does not know) is reported as
 "not loadable: <its line>", and its later runs on that file are skipped. Raw results go to
@@ -42,7 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_ram_budget as rb  # noqa: E402
-from bench_llama3 import AVX2_ENV, LlamaBench, PiRun, Result, load_avg1  # noqa: E402
+from bench_llama3 import AVX2_ENV, LlamaBench, PiRun, Result, cpu_time_table, load_avg1  # noqa: E402
 
 SHAPES = ("smallthinker-21b", "qwen3-30b-a3b")
 TEXT_ARGS = ["--temp", "0", "--ignore-eos"]
@@ -196,39 +201,39 @@ def limited(f: Path, shape: str, threads: list[int], share: float, cap: int, n_t
                            [], lambda r: None, n_text, env)
         full = measured(f"pi-run t{th}", rb.pi_cmd(f, n_text, TEXT_ARGS + t), None, timeout, [],
                         lambda r: rb.parse_pi(r, False), n_text, pi_env)
-        if full.rc != 0:
-            rows.append(f"| {shape} | {th} | pi-run not loadable: {refusal(full.err)[:120]} | | | | | | |")
-            log.append({"shape": shape, "threads": th, "pi_run": asdict(full)})
-            ll = measured(f"llama.cpp t{th}", [str(llama_bench), "-m", str(f), "-p", "0", "-n", str(cap), "-t", str(th),
-                                               "-r", "1", "-o", "json"], limit, timeout, [f], rb.parse_llama, cap + 1, env)
-            ll_ram = ram.get((shape, th, "llama.cpp"))
-            rows.append(f"| {shape} | {th} | llama.cpp | {rb.fmt(ll_ram)} | {tps0(ll):.3f}"
-                        f"{' (killed)' if ll.killed else ''} | - | - | {projection(ll, ll_ram)} | "
-                        f"{ll.extra['disk_bytes'] / 1e9 / (cap + 1):.2f} |")
-            log.append({"shape": shape, "threads": th, "llama": asdict(ll)})
-            continue
-        same_ll = generated(ll_text.text) == generated(full.text)
-        runs = {"pi-run": measured(f"pi-run t{th}", rb.pi_cmd(f, n_text, TEXT_ARGS + t), limit, timeout, [f],
-                                   lambda r: rb.parse_pi(r, False), n_text, pi_env)}
-        budget_args = ["--ram-budget", f"{budget:.3f}"]
-        runs["pi-run --ram-budget"] = measured(f"pi-run --ram-budget t{th}", rb.pi_cmd(f, n_text, TEXT_ARGS + t + budget_args),
-                                               limit, timeout, [f], lambda r: rb.parse_pi(r, False), n_text, pi_env)
-        runs["llama.cpp"] = measured(f"llama.cpp t{th}", [str(llama_bench), "-m", str(f), "-p", "0", "-n", str(cap), "-t",
-                                                         str(th), "-r", "1", "-o", "json"], limit, timeout, [f],
-                                     rb.parse_llama, cap + 1, env)
+        loadable = full.rc == 0
+        runs = {}
+        if loadable:
+            runs["pi-run"] = measured(f"pi-run t{th}", rb.pi_cmd(f, n_text, TEXT_ARGS + t), limit, timeout, [f],
+                                      lambda r: rb.parse_pi(r, False), n_text, pi_env)
+            budget_args = ["--ram-budget", f"{budget:.3f}"]
+            runs["pi-run --ram-budget"] = measured(
+                f"pi-run --ram-budget t{th}", rb.pi_cmd(f, n_text, TEXT_ARGS + t + budget_args), limit, timeout, [f],
+                lambda r: rb.parse_pi(r, False), n_text, pi_env)
+        else:
+            rows.append(f"| {shape} | {th} | pi-run not loadable: {refusal(full.err)[:120]} | | | | | | | |")
+        # llama.cpp as it runs by default (Q4_0 repacked for AVX2 into anonymous memory), and on its
+        # mapped file alone (--repack 0: every weight page reclaimable)
+        for name, extra in (("llama.cpp", []), ("llama.cpp --repack 0", ["--repack", "0"])):
+            runs[name] = measured(f"{name} t{th}", [str(llama_bench), "-m", str(f), "-p", "0", "-n", str(cap), "-t",
+                                                    str(th), "-r", "1", "-o", "json", *extra], limit, timeout, [f],
+                                  rb.parse_llama, cap + 1, env)
         pi_ram, ll_ram = ram.get((shape, th, "pi-run")) or full.tps, ram.get((shape, th, "llama.cpp"))
-        ll_lim = tps0(runs["llama.cpp"])
+        ll_lim = max(tps0(r) for k, r in runs.items() if k.startswith("llama.cpp"))  # llama.cpp's best
         for name, r in runs.items():
-            unl = ll_ram if name == "llama.cpp" else pi_ram
-            same = "-" if name == "llama.cpp" else ("yes" if r.rc == 0 and r.text == full.text else
-                                                    f"no ({refusal(r.err)[:60]})" if r.rc else "no")
+            mine = not name.startswith("llama.cpp")
+            unl = pi_ram if mine else ll_ram
+            same = "-" if not mine else ("yes" if r.rc == 0 and r.text == full.text else
+                                         f"no ({refusal(r.err)[:60]})" if r.rc else "no")
             vs_own = f"{tps0(r) / unl:.2f}x" if unl else "-"
-            vs_ll = "-" if name == "llama.cpp" else (f"{tps0(r) / ll_lim:.1f}x" if ll_lim else
-                                                     "llama.cpp 0" if tps0(r) else "-")
+            vs_ll = "-" if not mine else (f"{tps0(r) / ll_lim:.1f}x" if ll_lim else
+                                          "llama.cpp 0" if tps0(r) else "-")
             per_tok = r.extra["disk_bytes"] / 1e9 / max(1, r.extra["n_tokens"])
             rows.append(f"| {shape} | {th} | {name} | {rb.fmt(unl)} | {tps0(r):.3f}{' (killed)' if r.killed else ''} | "
                         f"{vs_own} | {vs_ll} | {projection(r, unl)} | {per_tok:.2f} | {same} |")
-        rows.append(f"| {shape} | {th} | pi-run greedy text == llama-completion's (in RAM) | {same_ll} | | | | | | |")
+        if loadable:
+            same_ll = generated(ll_text.text) == generated(full.text)
+            rows.append(f"| {shape} | {th} | pi-run greedy text == llama-completion's (in RAM) | {same_ll} | | | | | | |")
         log.append({"shape": shape, "threads": th, "unlimited": asdict(full), "llama_text": asdict(ll_text),
                     **{k: asdict(v) for k, v in runs.items()}})
     return rows
@@ -253,6 +258,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run (a limited run past it: 0 tok/s)")
     ap.add_argument("--no-ram", action="store_true", help="skip part 1")
     ap.add_argument("--no-limit", action="store_true", help="skip parts 2 and 3")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="instead: decode tokens per CPU-second at 1 thread (bench_llama3.py --cpu-time: runs of 16 "
+                         "and 16 + N tokens per engine), robust to other processes on the machine")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     shapes = [s.strip() for s in a.shapes.split(",") if s.strip()]
@@ -268,6 +276,14 @@ def main(argv: list[str] | None = None) -> None:
     for f in files.values():
         if not f.is_file():
             ap.error(f"{f}: not found; make it with python benchmarks/make_moe_model.py {a.dir}")
+    if a.cpu_time:
+        engine = "pi-run avx2" if a.avx2 else "pi-run"
+        engines = {"llama.cpp": LlamaBench(a.llama_bin / "llama-bench"), engine: PiRun(avx2=a.avx2)}
+        runs = [(e, "q4_0", int(f.parent.name[1:]), f) for f in files.values() for e in engines]
+        print(f"decode tokens per CPU-second, 1 thread, {a.n_gen} tokens by difference; files "
+              f"{', '.join(str(f) for f in files.values())}; load average {load_avg1():.2f}", flush=True)
+        print(cpu_time_table(runs, engines, a.n_gen, a.timeout))
+        return
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     jpath = a.json or a.dir / f"bench-moe-{stamp}.json"
     header = (f"bench_moe: {stamp}, {os.cpu_count()} CPUs; pp{a.n_prompt} / tg{a.n_gen}, {a.rounds} rounds, threads "
