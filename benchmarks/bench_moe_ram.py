@@ -66,9 +66,20 @@ def parse_budget(res: rb.Result) -> None:
                          cache=int(m.group(4)), cache_mb=int(m.group(5)), peak_mb=int(m.group(7)))
     m = re.search(r"experts read per pass ([\d.]+) \(([\d.]+) MB, (\d+) reads\); hit rate ([\d.]+)% \(resident "
                   r"([\d.]+)%, cache ([\d.]+)%\); waiting for reads (\d+) ms", res.text + res.err)
+    d = re.search(r"per decode token: ([\d.]+) experts read \(([\d.]+) MB\), waiting for reads (\d+) ms", res.text)
+    if d:
+        res.extra.update(dec_experts=float(d.group(1)), dec_mb=float(d.group(2)), dec_wait_ms=float(d.group(3)))
     if m:
         res.extra.update(read_per_pass=float(m.group(1)), mb_per_pass=float(m.group(2)), hit=float(m.group(4)),
                          hit_resident=float(m.group(5)), hit_cache=float(m.group(6)), wait_ms=float(m.group(7)))
+
+
+def nvme(x: dict, unlimited_tps: float | None) -> str:
+    """tok/s on an NVMe disk (3 GB/s) from pi-run's own MB read per decode token and the unlimited time per
+    token (bandwidth-bound: its reads are 1 MiB pieces; no overlap assumed)."""
+    if not unlimited_tps or x.get("dec_mb") is None:
+        return "-"
+    return f"{1 / (1 / unlimited_tps + x['dec_mb'] * 1e6 / 3e9):.2f}"
 
 
 def shape_rows(shape: str, f: Path, a, log: list) -> list[str]:
@@ -110,7 +121,9 @@ def shape_rows(shape: str, f: Path, a, log: list) -> list[str]:
             rows.append(f"| {shape} | (its reads) | resident {x['hot']} of {x['experts']} experts ({x['hot_mb']} MB), "
                         f"cache {x['cache']} ({x['cache_mb']} MB) | per pass {x['read_per_pass']} experts, "
                         f"{x['mb_per_pass']} MB | hit {x['hit']}% (resident {x['hit_resident']}%, cache "
-                        f"{x['hit_cache']}%) | waiting {x['wait_ms']:.0f} ms per pass | | | | |")
+                        f"{x['hit_cache']}%) | waiting {x['wait_ms']:.0f} ms per pass | per decode token "
+                        f"{x.get('dec_experts')} experts, {x.get('dec_mb')} MB, waiting {x.get('dec_wait_ms')} ms | "
+                        f"NVMe projection from these reads: {nvme(x, full.tps)} tok/s | | | |")
     log.append({"shape": shape, "limit": limit, "budget_gib": budget, "unlimited": asdict(full),
                 **{k: asdict(v) for k, v in runs.items()}})
     return rows

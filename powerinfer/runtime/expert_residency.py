@@ -9,8 +9,9 @@ follows). One budget (GiB, everything the process keeps resident counted) is spe
    (activations, the read staging buffers, thread arenas) and a reuse cache of ``k`` experts (the
    experts one token uses; at least the token embedding's bytes, resident once at load). A budget
    below it is refused before any weight is read, with the minimum in the message;
-2. of the rest, :data:`~.residency.WINDOW_SHARE` more goes to the reuse cache (slots of one expert's
-   gate, up and down matrices, shared by the layers, the least recently used replaced first);
+2. of the rest, :data:`CACHE_SHARE` (none) more goes to the reuse cache (slots of one expert's gate,
+   up and down matrices, shared by the layers, the least recently used replaced first) when counts pin
+   experts; without counts the cache takes it all;
 3. the rest holds the most routed experts, resident for the whole run: per layer, by their share of
    the layer's routings in ``expert_counts.json`` (``pi-profile`` on the file:
    :mod:`powerinfer.formats.expert_counts`; ``--activation`` or ``activation/`` beside the model),
@@ -59,7 +60,7 @@ from ..formats.gguf_file import GGUFFile
 from ..quant.qweight import MAPPED_TYPES, QWeight
 from . import kernels
 from .moe import ExpertsFFN
-from .residency import GIB, ROW_READS_ENV, SCRATCH_BYTES, WINDOW_SHARE, _kind, rss_bytes
+from .residency import GIB, ROW_READS_ENV, SCRATCH_BYTES, _kind, rss_bytes
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,10 @@ IO_THREADS = 8  # expert matrices read at once
 CHUNK_BYTES = 1 << 20  # bytes per read (each reading thread's staging buffer is this plus two pages)
 PAGE = 4096
 KINDS = ("gate", "up", "down")
+CACHE_SHARE = 0.0  # of the room above the minimum, this much more reuse cache when counts pin experts (the rest
+# pins): the layers are visited in a cycle, so an LRU cache of fewer experts than a token's routings over all
+# layers keeps almost nothing for the next token (3.8% hits from 435 MB on the 24-layer SmallThinker file of
+# benchmarks/bench_moe_ram.py, where pinning as many more experts by their counts serves ~12% more routings)
 
 
 # ---------------------------------------------------------------------------- the plan
@@ -242,7 +247,7 @@ def plan_experts(g: GGUFFile, n_ctx: int, kv_dtype, budget_gib: float, n_expert:
         share = counts.double() / counts.sum(1, keepdim=True).clamp_min(1)  # each layer's routings sum to 1
         order = sorted(((-float(share[i, e]), i, e) for i in range(a.n_layer) for e in range(n_expert)
                         if counts[i, e] > 0))
-        left = int(room * (1 - WINDOW_SHARE))
+        left = int(room * (1 - CACHE_SHARE))
         for _, i, e in order:
             nb = plan.expert_bytes(i)
             if nb <= left:
@@ -309,6 +314,8 @@ class ExpertStore:
         self.resident: dict[tuple[int, int], tuple] = {}
         self.stats = {"reads": 0, "bytes": 0, "experts_read": 0, "hits_resident": 0, "hits_cache": 0,
                       "routed": 0, "t_wait": 0.0, "tokens": 0}
+        self.decode = {"tokens": 0, "bytes": 0, "experts_read": 0, "t_wait": 0.0}  # one-token passes only
+        self.one_token = False  # the pass now running is one token (set by layer 0's router)
 
     # ------------------------------------------------------------ reading
     def _stage(self) -> np.ndarray:
@@ -435,10 +442,16 @@ class ExpertStore:
                 del self.slot_of[key]
                 self.owner[s], self.busy[s] = None, False
                 raise
-            st["t_wait"] += time.perf_counter() - t
+            dt = time.perf_counter() - t
+            st["t_wait"] += dt
             st["reads"] += reads
             st["bytes"] += nb
             st["experts_read"] += 1
+            if self.one_token:
+                d = self.decode
+                d["t_wait"] += dt
+                d["bytes"] += nb
+                d["experts_read"] += 1
         self.clock += 1
         self.last[s] = self.clock
         return self._objects(layer, self.slot_bufs[s])
@@ -484,6 +497,7 @@ class BudgetExpertsFFN(ExpertsFFN):
         self._early = None  # (router input, routing) of a pre-attention router, set before attention
         self._passing: list[int] = []
         self._started = False  # route_early began this pass
+        self._n_tokens = 0  # tokens of the pass now running
 
     @property
     def batch_shared(self) -> bool:
@@ -494,10 +508,11 @@ class BudgetExpertsFFN(ExpertsFFN):
         the routed cold experts, so the reads run while attention does."""
         r = super().route(x)
         self._early = (x, r)
-        self._start(r[1].view(-1).unique().tolist())
+        self._start(r[1].view(-1).unique().tolist(), x.shape[0])
         self._started = True
 
     def route(self, xn: torch.Tensor):
+        self._n_tokens = xn.shape[0]
         if self._early is not None and self._early[0] is xn:
             r, self._early = self._early[1], None
             return r
@@ -508,11 +523,13 @@ class BudgetExpertsFFN(ExpertsFFN):
         if self._started:  # already started before attention (route_early)
             self._started = False
             return
-        self._start(experts)
+        self._start(experts, self._n_tokens)
 
-    def _start(self, experts: list[int]) -> None:
+    def _start(self, experts: list[int], n_tokens: int) -> None:
         if self.layer == 0:
             self.store.stats["tokens"] += 1
+            self.store.one_token = n_tokens == 1
+            self.store.decode["tokens"] += n_tokens == 1
         self.store.end_pass()
         self._passing = list(experts)
         self.store.submit(self.layer, self._passing)
@@ -628,6 +645,8 @@ def expert_budget_lines(model) -> list[str]:
     st, mb = store.stats, 1e6
     n = max(1, st["tokens"])
     routed = max(1, st["routed"])
+    d = store.decode
+    nd = max(1, d["tokens"])
     return [f"  RAM budget {plan.budget / GIB:.2f} GiB: resident experts {plan.n_hot} of "
             f"{plan.n_layer * plan.n_expert} ({store.resident_bytes() / mb:.0f} MB), reuse cache {plan.cache_slots} "
             f"experts ({store.cache_nbytes() / mb:.0f} MB); process now {rss_bytes() / mb:.0f} MB, peak "
@@ -635,4 +654,6 @@ def expert_budget_lines(model) -> list[str]:
             f"  experts read per pass {st['experts_read'] / n:.1f} ({st['bytes'] / n / mb:.1f} MB, "
             f"{st['reads'] / n:.0f} reads); hit rate {(st['hits_resident'] + st['hits_cache']) / routed:.1%} "
             f"(resident {st['hits_resident'] / routed:.1%}, cache {st['hits_cache'] / routed:.1%}); waiting for "
-            f"reads {st['t_wait'] / n * 1e3:.0f} ms per pass"]
+            f"reads {st['t_wait'] / n * 1e3:.0f} ms per pass",
+            f"  per decode token: {d['experts_read'] / nd:.1f} experts read ({d['bytes'] / nd / mb:.1f} MB), waiting "
+            f"for reads {d['t_wait'] / nd * 1e3:.0f} ms"]
