@@ -65,8 +65,7 @@ from .residency import GIB, ROW_READS_ENV, SCRATCH_BYTES, _kind, rss_bytes
 log = logging.getLogger(__name__)
 
 IO_THREADS = 8  # expert matrices read at once
-CHUNK_BYTES = 4 << 20  # bytes per read: one per expert matrix of the benchmark files (each reading thread's staging
-# buffer is this plus two pages, within the scratch margin)
+CHUNK_BYTES = 1 << 20  # bytes per read (each reading thread's staging buffer is this plus two pages)
 PAGE = 4096
 KINDS = ("gate", "up", "down")
 CACHE_SHARE = 0.0  # of the room above the minimum, this much more reuse cache when counts pin experts (the rest
