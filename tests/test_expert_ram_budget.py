@@ -229,3 +229,25 @@ def test_bad_expert_counts_are_one_line(tmp_path):
     (act / "expert_counts.json").unlink()
     with pytest.raises(PowerInferError, match=r"no expert_counts.json \(pi-profile MODEL"):
         load_experts_budgeted(g, torch.float32, N_CTX, plan.minimum / GIB, str(act), interpreter=0)
+
+
+def test_pi_run_bench_reports_the_expert_reads(tmp_path, monkeypatch):
+    """pi-run --ram-budget --bench on a Q8_0 SmallThinker file at its minimum (the interpreter counted as 0, so
+    the cache holds k experts): the plan's line, then the resident and cache MB, the reads per decode token and
+    the hit rate, from the store's counters."""
+    import re
+
+    from powerinfer.runtime import expert_residency
+    from powerinfer.runtime.cli import main as run_main
+
+    path = _file("smallthinker-q8_0", tmp_path)
+    monkeypatch.setattr(expert_residency, "rss_bytes", lambda: 0)
+    budget = _minimum(path)[1].minimum / GIB
+    r = CliRunner().invoke(run_main, ["-m", path, "-p", PROMPT, "-n", "6", "-c", str(N_CTX), "--dtype", "f32",
+                                      "--ram-budget", repr(budget), "--bench"])
+    assert r.exit_code == 0, r.output
+    assert re.search(r"resident experts \d+ of 12 \(\d+ MB\), reuse cache \d+ experts", r.output)
+    m = re.search(r"per decode token: ([\d.]+) experts read \(([\d.]+) MB\)", r.output)
+    assert m and 0 < float(m.group(1)) <= 3 * 2  # at most k experts in each of the 3 layers
+    hit = re.search(r"hit rate ([\d.]+)% \(resident ([\d.]+)%, cache ([\d.]+)%\)", r.output)
+    assert hit and float(hit.group(1)) < 100
