@@ -65,7 +65,8 @@ def open_session(model_dir: str | Path, what: str, device: str = "cpu", dtype: s
     family, cfg, act = resolve_model(model_dir)
     if family.experts:
         raise PowerInferError(f"{Path(model_dir) / 'config.json'}: {what} does not support mixture-of-experts models "
-                              f"({family.name}): their FFN neurons belong to experts, which no predictor layout covers")
+                              f"({family.name}): their FFN neurons belong to experts, which no predictor layout covers "
+                              "(pi-profile on the model's GGUF counts its routing)")
     require_sparse(act, model_dir, what)  # a dense model is refused before its checkpoint is read
     checked = check_model(model_dir)  # config values, layer count, every tensor's shape and dtype
     family, cfg, act, dims = checked.family, checked.cfg, checked.act, checked.dims

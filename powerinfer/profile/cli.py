@@ -78,6 +78,10 @@ def main(model_dir: Path, data: str, out_dir: Path, max_tokens: int, seq_len: in
     checkpoint one decoder layer at a time; run it under `torchrun --nproc-per-node N`
     to share the text between processes.
 
+    A mixture-of-experts GGUF (Mixtral, Qwen3-MoE, SmallThinker) gets, per layer, how many calibration tokens
+    the router sends to each expert (OUT/expert_counts.json), what `pi-run --ram-budget` keeps experts
+    resident by.
+
     A SiLU/GELU-gated model (Llama 2/3, Qwen2/3, Mistral; a Hugging Face folder, or a GGUF file run by this
     project's runtime, so a llama.cpp GGUF needs no Hugging Face copy) gets, per layer and matrix input, the
     histograms of |x| and of WINA's |x_j| * ||W[:, j]|| instead: what `pi-convert MODEL OUT --sparsity S`
@@ -86,6 +90,8 @@ def main(model_dir: Path, data: str, out_dir: Path, max_tokens: int, seq_len: in
     require_data(data)
     if model_dir.is_file():
         _require_gguf_model(model_dir)
+        if _is_moe_file(model_dir):
+            return _profile_experts(model_dir, data, out_dir, max_tokens, seq_len, text_field, device, dtype, threads)
         return _profile_inputs(model_dir, data, out_dir, max_tokens, seq_len, text_field, device, dtype, threads)
     require_model_folder(model_dir)  # before torch and transformers are imported (seconds)
     from .inputs import is_input_sparse_model
@@ -125,6 +131,35 @@ def _require_gguf_model(path: Path) -> None:
         raise PowerInferError(f"{path}: not a folder or a GGUF file (expected a Hugging Face model folder, or the "
                               "GGUF of a SiLU/GELU-gated model)")
     require_gguf(path)
+
+
+def _is_moe_file(path: Path) -> bool:
+    from ..formats.gguf_file import open_gguf
+    from ..runtime.moe import is_moe
+
+    return is_moe(open_gguf(str(path)))
+
+
+def _profile_experts(model: Path, data: str, out_dir: Path, max_tokens: int, seq_len: int | None, text_field: str,
+                     device: str, dtype: str | None, threads: int | None) -> None:
+    """The routing profile of a mixture-of-experts GGUF (:func:`powerinfer.profile.experts.profile_experts`)."""
+    import time
+
+    from ..errors import PowerInferError
+    from .experts import DEFAULT_CHUNK, profile_experts, routing_table
+
+    if device != "cpu" or dtype not in (None, "f32"):
+        raise PowerInferError("--device/--dtype: the routing of a mixture-of-experts file is counted in f32 on the CPU")
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    counts, n = profile_experts(model, data, out_dir, n_ctx=seq_len or DEFAULT_CHUNK, max_tokens=max_tokens,
+                                text_field=text_field)
+    click.echo(routing_table(counts))
+    click.echo(f"{n} tokens, routing counts of {counts.shape[0]} layers x {counts.shape[1]} experts, "
+               f"{time.perf_counter() - t0:.2f} s -> {out_dir / 'expert_counts.json'}")
 
 
 def _profile_inputs(model: Path, data: str, out_dir: Path, max_tokens: int, seq_len: int | None, text_field: str,

@@ -119,7 +119,7 @@ def bench_report(model: "Transformer", st: "GenStats", path: str) -> str:
     mode = ffn_mode(model)
     ffn = model.layers[0].ffn
     ws = (model.layers[0].wqkv, getattr(ffn, "up", None), getattr(ffn, "fc1", None))  # a HybridFFN has neither
-    types = dict.fromkeys(weight_type(w) for w in ws if w is not None)
+    types = dict.fromkeys(t for w in ws if w is not None and (t := weight_type(w)))  # (--ram-budget MoE: no up)
     lines = [f"bench: {path} ({model.args.family.name}, {mode}, weights {'/'.join(types)} computed in "
              f"{str(model.dtype).removeprefix('torch.')}, KV cache {_kv_types(model)}, kernels {kernels.backend()}, "
              f"{_threads()})",
@@ -151,6 +151,9 @@ def bench_report(model: "Transformer", st: "GenStats", path: str) -> str:
     from .cold_rows import budget_lines  # --ram-budget: resident MB by kind, reads per token, hit rate
 
     lines += budget_lines(model)
+    from .expert_residency import expert_budget_lines  # the same for a mixture-of-experts file
+
+    lines += expert_budget_lines(model)
     return "\n".join(lines) + "\n"
 
 

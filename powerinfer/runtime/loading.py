@@ -43,9 +43,14 @@ def load_model(path: str, dtype: str = "f32", dense: bool = False, n_ctx: int | 
 
         return TealTransformer(g, compute_dtype(dtype), dense=dense, n_ctx=n_ctx), tok
     if ram_budget is not None:  # (and the budget's plan measures what the process holds after it)
-        if is_moe(g):
-            raise PowerInferError(f"{path}: --ram-budget does not run mixture-of-experts files yet (its plan "
-                                  "keeps hot neurons of one FFN per layer); run without it")
+        if is_moe(g):  # the most routed experts resident, the others read when routed (expert_residency.py)
+            from .expert_residency import load_experts_budgeted
+
+            model, plan = load_experts_budgeted(g, compute_dtype(dtype), n_ctx, ram_budget, activation_dir,
+                                                cache_type_k=cache_type_k, cache_type_v=cache_type_v)
+            if note is not None:
+                note(plan.summary())
+            return model, tok
         if dense:
             raise PowerInferError("--ram-budget and --dense: a dense FFN reads every row every token; "
                                   "the budget needs the sparse FFN")

@@ -197,10 +197,20 @@ class ExpertsFFN:
             w = w * self.ea.w_scale
         return w, e
 
+    def weights(self, e: int) -> tuple:
+        """Expert ``e``'s ``(gate, up, down)`` matrices (hook: under ``--ram-budget``,
+        :mod:`.expert_residency` reads a cold expert from the file here)."""
+        return self.gate[e], self.up[e], self.down[e]
+
+    def routed(self, experts: list[int]) -> None:
+        """Hook: the experts this pass computes (ascending), before the first of them is; nothing here
+        (:mod:`.expert_residency` starts reading the cold ones)."""
+
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` on ``x`` ``[n, D]`` -> ``[n, D]`` in ``x``'s dtype."""
-        h = self.act.apply(linear(x, self.gate[e])) * linear(x, self.up[e])
-        return linear(h, self.down[e])
+        gate, up, down = self.weights(e)
+        h = self.act.apply(linear(x, gate)) * linear(x, up)
+        return linear(h, down)
 
     def __call__(self, h: torch.Tensor, xn: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """FFN output ``[T, D]`` for normed input ``xn`` ``[T, D]`` (``h``, ``mask``: unused, no predictor)."""
@@ -216,12 +226,15 @@ class ExpertsFFN:
         out = torch.zeros(T, xn.shape[1], dtype=torch.float32)
         if T == 1:  # decode: the same sums in the same (ascending expert) order, less Python per step
             es, slots = sel[0].sort()
+            self.routed(es.tolist())
             for e, j in zip(es.tolist(), slots.tolist()):
                 out += self.expert(e, xn).float() * w[0, j]
             self.expert_hits[es] += 1
         else:
             hit = torch.bincount(sel.view(-1), minlength=self.ea.n_expert)
-            for e in hit.nonzero().view(-1).tolist():  # ascending: every token sums its experts in one order
+            used = hit.nonzero().view(-1).tolist()
+            self.routed(used)
+            for e in used:  # ascending: every token sums its experts in one order
                 tok, slot = (sel == e).nonzero(as_tuple=True)
                 out.index_add_(0, tok, self.expert(e, xn[tok]).float() * w[tok, slot, None])
             self.expert_hits += hit

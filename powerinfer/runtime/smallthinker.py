@@ -40,21 +40,25 @@ def layer_rules(g: GGUFFile, a: ModelArgs) -> list[tuple[bool, int | None]]:
 
 
 class SmallThinkerTransformer(Transformer):
-    """:class:`Transformer` of a ``smallthinker`` file (arguments as the base class's)."""
+    """:class:`Transformer` of a ``smallthinker`` file (arguments as the base class's; ``ffn_builder``: another
+    expert FFN builder, ``--ram-budget``'s)."""
 
     per_layer_attention = True  # batch.check_batchable refuses several sequences at once
 
     def __init__(self, g: GGUFFile, dtype: torch.dtype = torch.float32, dense: bool = False,
-                 n_ctx: int | None = None, cache_type_k=None, cache_type_v=None):
+                 n_ctx: int | None = None, cache_type_k=None, cache_type_v=None, ffn_builder=None):
         a = ModelArgs.from_gguf(g)
         self.rules = layer_rules(g, a)
         builder = experts_builder(g, a, pre_attention=True)  # counts and shapes checked before any load
-        super().__init__(g, dtype, dense, n_ctx, ffn_builder=builder, cache_type_k=cache_type_k,
+        super().__init__(g, dtype, dense, n_ctx, ffn_builder=ffn_builder or builder, cache_type_k=cache_type_k,
                          cache_type_v=cache_type_v)
         self._layer_args = [dataclasses.replace(self.args, sliding_window=w) for _, w in self.rules]
 
     def block(self, i: int, layer: Layer, x: torch.Tensor, pos: int) -> torch.Tensor:
         layer.ffn.router_in = x  # the router reads the layer input
+        early = getattr(layer.ffn, "route_early", None)
+        if early is not None:  # --ram-budget (expert_residency.py): route now, read cold experts during attention
+            early(x)
         return super().block(i, layer, x, pos)
 
     def attention(self, i: int, layer: Layer, x: torch.Tensor, pos: int) -> torch.Tensor:
