@@ -1,0 +1,202 @@
+"""Sparse ReLU-gated experts: inside each routed expert only the rows of the neurons that fire.
+
+A ReLU-gated expert (SmallThinker; ``relu(gate x) * up x`` then ``down``) computes neuron ``j``'s up
+row and down column for nothing when ``gate_j . x <= 0``: its hidden value is exactly 0. Without a
+predictor the gate is the predictor, as in the one-token sparse FFN of dense files
+(:class:`~.kernels.SparseFFNCall`): every gate row of the expert is dotted with ``x``, then only the up
+rows of the neurons whose gate is positive, then only their down columns. A dReLU expert
+(``relu(gate x) * relu(up x)``) is the same with ``relu`` on the up product too (``FFN_KINDS``).
+
+The down matrix is stored output-major (``ffn_down_exps``: ``[n_embd, n_ff_exp]`` per expert, blocks of
+32 along ``n_ff_exp``), so a fired neuron is a column spread over every row's blocks. At load it is
+re-laid out (``sparse_experts.c``, down kinds):
+
+* Q4_0/Q8_0: by block column, the same bytes (:class:`DownCols`): the scales of block ``b`` for every
+  row, then each neuron's quants as one row; the hidden vector is rounded to 8-bit blocks as the dense
+  product rounds it and only the blocks with a fired neuron are read, each fired neuron's quants once;
+* f16/bf16: the transpose ``down_t`` ``[n_ff_exp, n_embd]`` (exact, same bytes), one AXPY per fired neuron;
+* K-quants and Q5_0/Q5_1: no exact re-layout (the blocks run along ``n_ff_exp``); the down product stays
+  dense (every row, on the sparse hidden vector), gate and up as above.
+
+Outputs equal the dense expert's up to float summation order (``tests/test_sparse_experts.py``). Each
+token runs alone (one C call per layer and token over its ``k`` experts in ascending order, summed with
+the router's weights as :class:`~.moe.ExpertsFFN` sums them), prompts too: a prompt's token reads only its
+own fired rows (``benchmarks/bench_sparse_experts.py`` measures prompts and decode against dense experts).
+
+Used for every ReLU-expert file the C kernels compute in place (:func:`build`), unless ``dense``
+(``pi-run --dense``); f32 files and the torch backend keep dense experts.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..formats.gguf_file import GGUFFile
+from ..quant.qweight import MAPPED_TYPES, QWeight
+from . import kernels
+from .args import ModelArgs
+from .moe import ExpertArgs, ExpertsFFN
+from .weights import _NATIVE, _release, _tensor, load_tensor, mapped_rows, tensor_shape, weight_nbytes
+
+QK = 32
+DOWN_COLS, DOWN_ROWS, DOWN_DENSE = 0, 1, 2  # sparse_experts.c's down_kind
+FFN_KINDS = {"reglu": 0, "dreglu": 1}  # relu(g) * u, relu(g) * relu(u)
+COLS_TYPES = ("Q4_0", "Q8_0")
+ROWS_TYPES = ("F16", "BF16")
+EXPERT_CHUNK = 8  # experts re-laid out at a time (bounds the transient copies)
+
+
+@dataclass(eq=False)
+class DownCols:
+    """One expert's Q4_0/Q8_0 ``down`` ``[D, F]`` by block column: ``scales`` uint8 ``[F/32, 2 D]``
+    (the f16 scale of block ``b`` of each row ``d``), ``quants`` uint8 ``[F, D/2]`` (Q4_0: per 32 values of
+    ``d`` 16 bytes, value ``i`` in the low nibble of byte ``i``, value ``i + 16`` in its high nibble) or
+    ``[F, D]`` (Q8_0, int8). The same bytes as the file's rows."""
+
+    scales: torch.Tensor
+    quants: torch.Tensor
+    btype: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.scales.numel() + self.quants.numel()
+
+
+def down_cols(raw: torch.Tensor, btype: str, D: int, F: int) -> list[DownCols]:
+    """:class:`DownCols` of ``n`` experts from their rows: ``raw`` uint8 ``[n * D, row_bytes]`` (Q4_0 or
+    Q8_0 ``[D, F]`` matrices stacked)."""
+    nb, bb = F // QK, 18 if btype == "Q4_0" else 34
+    blocks = raw.reshape(-1, D, nb, bb)
+    n = blocks.shape[0]
+    scales = blocks[..., :2].permute(0, 2, 1, 3).reshape(n, nb, 2 * D).contiguous()
+    qs = blocks[..., 2:]
+    if btype == "Q4_0":  # nibbles -> values 0..15 in F order, transposed, packed again along D
+        vals = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, D, F).transpose(1, 2).reshape(n, F, D // QK, QK)
+        quants = (vals[..., :16] | (vals[..., 16:] << 4)).reshape(n, F, D // 2).contiguous()  # (the op keeps strides)
+    else:
+        quants = qs.reshape(n, D, F).transpose(1, 2).contiguous()
+    return [DownCols(scales[e], quants[e], btype) for e in range(n)]
+
+
+def down_t_16(raw: torch.Tensor, bt, D: int, F: int) -> list[QWeight]:
+    """f16/bf16 ``down`` rows ``raw`` uint8 ``[n * D, 2 F]`` -> ``n`` QWeights ``down_t`` ``[F, D]`` (copies)."""
+    t = raw.view(torch.int16).reshape(-1, D, F).transpose(1, 2).contiguous()
+    return [QWeight(t[e].view(torch.uint8), bt, F, D) for e in range(t.shape[0])]
+
+
+def load_down(g: GGUFFile, name: str) -> tuple[int, list]:
+    """``(down_kind, E matrices)`` of stacked ``ffn_down_exps`` ``[E, D, F]``, the file's pages released
+    when the re-layout copied them."""
+    E, D, F = tensor_shape(g, name)
+    kind = g.tensors[name].tensor_type.name
+    w = mapped_rows(g, name, E * D, F)
+    if kind in COLS_TYPES or kind in ROWS_TYPES:
+        relay = down_cols if kind in COLS_TYPES else (lambda r, k, d, f: down_t_16(r, w.btype, d, f))
+        out = []
+        for e0 in range(0, E, EXPERT_CHUNK):
+            e1 = min(E, e0 + EXPERT_CHUNK)
+            out += relay(w.raw[e0 * D:e1 * D], kind, D, F)
+        _release(g, _tensor(g, name))
+        return (DOWN_COLS if kind in COLS_TYPES else DOWN_ROWS), out
+    return DOWN_DENSE, [QWeight(w.raw[e * D:(e + 1) * D], w.btype, D, F) for e in range(E)]
+
+
+def takes(g: GGUFFile, i: int, a: ModelArgs, ea: ExpertArgs, dtype: torch.dtype, mapped: bool) -> bool:
+    """True when layer ``i``'s experts run sparse: ReLU experts, the C kernels, gate/up/down of one type
+    computed in place (not converted at load), widths multiples of 32."""
+    if a.activation.kind != "relu" or a.family.ffn not in FFN_KINDS or not mapped or kernels.backend() != "c":
+        return False
+    kinds = {g.tensors[f"blk.{i}.ffn_{k}_exps.weight"].tensor_type.name for k in ("gate", "up", "down")}
+    kind = kinds.pop()
+    return (not kinds and kind in MAPPED_TYPES and _NATIVE.get(kind) != dtype
+            and ea.n_ff_exp % QK == 0 and a.n_embd % QK == 0)
+
+
+class SparseExpertsFFN(ExpertsFFN):
+    """:class:`~.moe.ExpertsFFN` whose routed experts compute only their fired neurons' rows
+    (``sparse_experts.c``). ``gate``/``up``: ``E`` row-layout QWeights ``[F, D]`` (views of the map);
+    ``down``: ``E`` :class:`DownCols`, ``down_t`` QWeights ``[F, D]`` or ``down`` QWeights ``[D, F]``
+    as ``down_kind`` says; ``down_scales``: the DownCols' scales (else None). ``n_fired``: neurons whose
+    hidden value was not 0, summed over expert evaluations."""
+
+    def __init__(self, *args, down_kind: int = DOWN_DENSE, **kw):
+        super().__init__(*args, **kw)
+        self.down_kind = down_kind
+        self.n_fired = 0
+        self.ffn_kind = FFN_KINDS[self.family.ffn]
+        self.btype = self.up[0].btype.name
+        ptrs = lambda ws: torch.tensor([w.raw.data_ptr() for w in ws], dtype=torch.int64)  # noqa: E731
+        self._gate, self._up = ptrs(self.gate), ptrs(self.up)
+        if down_kind == DOWN_COLS:
+            self._down = torch.tensor([d.quants.data_ptr() for d in self.down], dtype=torch.int64)
+            self._scales = torch.tensor([d.scales.data_ptr() for d in self.down], dtype=torch.int64)
+        else:
+            self._down, self._scales = ptrs(self.down), torch.zeros(self.ea.n_expert, dtype=torch.int64)
+        F, D = self.ea.n_ff_exp, self.up[0].n_cols
+        self._idx = torch.arange(F, dtype=torch.int64)
+        self._buf = torch.empty(4 * F + D, dtype=torch.float32)
+        self._ibuf = torch.empty(2 * F + 2 * (F // QK) + 2, dtype=torch.int64)
+        self._qbuf = torch.empty(F, dtype=torch.int8)
+
+    @property
+    def batch_shared(self) -> bool:
+        return False  # every token computes alone anyway; batched steps run each sequence by itself
+
+    @property
+    def mode(self) -> str:
+        return f"experts {self.ea.n_used} of {self.ea.n_expert}, fired rows"
+
+    def reset_stats(self) -> None:
+        super().reset_stats()
+        self.n_fired = 0
+
+    def token(self, x: torch.Tensor, w: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """``sum_j w[j] * expert_{e[j]}(x)``: ``x`` fp32 ``[D]``, ``w`` fp32 ``[n]``, ``e`` LongTensor ``[n]``
+        in ascending order -> fp32 ``[D]``."""
+        out = torch.zeros(x.numel(), dtype=torch.float32)
+        g, u, s, d = self._gate[e], self._up[e], self._scales[e], self._down[e]
+        w = w.float().contiguous()
+        fired = kernels._state["lib"].pi_sparse_experts(
+            kernels._QT[self.btype], self.ffn_kind, self.down_kind, e.numel(), g.data_ptr(), u.data_ptr(),
+            s.data_ptr(), d.data_ptr(), w.data_ptr(), self.ea.n_ff_exp, x.numel(), x.data_ptr(), out.data_ptr(),
+            self._idx.data_ptr(), self._buf.data_ptr(), self._ibuf.data_ptr(), self._qbuf.data_ptr())
+        self.n_fired += int(fired)
+        return out
+
+    def __call__(self, h: torch.Tensor, xn: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """FFN output ``[T, D]`` for normed input ``xn`` ``[T, D]``, each token by itself."""
+        t0 = time.perf_counter()
+        w, sel = self.route(self._router_input(xn))
+        xf = xn.float().contiguous()
+        es, slots = sel.sort(dim=-1)
+        ws = w.gather(1, slots)
+        out = torch.stack([self.token(xf[t], ws[t], es[t]) for t in range(xn.shape[0])])
+        self.expert_hits += torch.bincount(sel.view(-1), minlength=self.ea.n_expert)
+        T = xn.shape[0]
+        self.n_calls += T
+        self.n_active += T * self.ea.n_used
+        self.t_ffn += time.perf_counter() - t0
+        return out.to(xn.dtype)
+
+    def decode_bytes(self) -> float:
+        """Weight bytes one token reads at most: the router and ``k`` experts (fewer: only fired rows)."""
+        per = weight_nbytes(self.gate) + weight_nbytes(self.up) + sum(
+            d.nbytes if isinstance(d, DownCols) else weight_nbytes(d) for d in self.down)
+        return weight_nbytes(self.router) + per * self.ea.n_used / self.ea.n_expert
+
+
+def build(g: GGUFFile, i: int, a: ModelArgs, ea: ExpertArgs, dtype: torch.dtype, pre_attention: bool) -> SparseExpertsFFN:
+    """Layer ``i``'s :class:`SparseExpertsFFN` (call when :func:`takes`): gate/up views of the map, down
+    re-laid out (:func:`load_down`)."""
+    p = f"blk.{i}."
+    router = load_tensor(g, p + "ffn_gate_inp.weight", dtype)
+    E, F, D = tensor_shape(g, p + "ffn_gate_exps.weight")
+    rows = []
+    for k in ("gate", "up"):
+        w = mapped_rows(g, f"{p}ffn_{k}_exps.weight", E * F, D)
+        rows.append([QWeight(w.raw[e * F:(e + 1) * F], w.btype, F, D) for e in range(E)])
+    down_kind, down = load_down(g, p + "ffn_down_exps.weight")
+    return SparseExpertsFFN(a.family, a.activation, router, rows[0], rows[1], down, ea=ea,
+                            pre_attention=pre_attention, down_kind=down_kind)
