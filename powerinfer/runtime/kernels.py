@@ -136,7 +136,7 @@ def _build(native: bool = True) -> ctypes.CDLL:
     lib.pi_q_sparse_ffn.restype = I
     lib.pi_q_dot_rows_multi.argtypes = [C, P, P, P, I, I, P, I, P, P, P, F32]
     lib.pi_q_axpy_rows_multi.argtypes = [C, P, P, P, I, I, I, P, I]
-    lib.pi_sparse_experts.argtypes = [C, C, C, I, P, P, P, P, P, I, I, P, P, P, P, P, P]
+    lib.pi_sparse_experts.argtypes = [C, C, C, C, I, P, P, P, P, P, I, I, P, P, P, P, P]
     lib.pi_sparse_experts.restype = I
     for f in (lib.pi_q_gemm, lib.pi_q_dot_rows, lib.pi_q_axpy_rows, lib.pi_x8_gemm, lib.pi_q_dot_rows_multi,
               lib.pi_q_axpy_rows_multi):

@@ -37,7 +37,7 @@ from ..formats.gguf_file import GGUFFile
 from ..quant.qweight import MAPPED_TYPES, QWeight
 from . import kernels
 from .args import ModelArgs
-from .moe import ExpertArgs, ExpertsFFN
+from .moe import ExpertArgs, ExpertsFFN, load_experts
 from .weights import _NATIVE, _release, _tensor, load_tensor, mapped_rows, tensor_shape, weight_nbytes
 
 QK = 32
@@ -116,7 +116,8 @@ def takes(g: GGUFFile, i: int, a: ModelArgs, ea: ExpertArgs, dtype: torch.dtype,
 
 class SparseExpertsFFN(ExpertsFFN):
     """:class:`~.moe.ExpertsFFN` whose routed experts compute only their fired neurons' rows
-    (``sparse_experts.c``). ``gate``/``up``: ``E`` row-layout QWeights ``[F, D]`` (views of the map);
+    (``sparse_experts.c``). ``gate``: ``E`` QWeights ``[F, D]`` (x8 layout for block types), ``up``: ``E`` row-layout
+    QWeights ``[F, D]`` (views of the map);
     ``down``: ``E`` :class:`DownCols`, ``down_t`` QWeights ``[F, D]`` or ``down`` QWeights ``[D, F]``
     as ``down_kind`` says; ``down_scales``: the DownCols' scales (else None). ``n_fired``: neurons whose
     hidden value was not 0, summed over expert evaluations."""
@@ -127,6 +128,7 @@ class SparseExpertsFFN(ExpertsFFN):
         self.n_fired = 0
         self.ffn_kind = FFN_KINDS[self.family.ffn]
         self.btype = self.up[0].btype.name
+        self.gate_x8 = self.gate[0].layout == "x8"
         ptrs = lambda ws: torch.tensor([w.raw.data_ptr() for w in ws], dtype=torch.int64)  # noqa: E731
         self._gate, self._up = ptrs(self.gate), ptrs(self.up)
         if down_kind == DOWN_COLS:
@@ -135,7 +137,6 @@ class SparseExpertsFFN(ExpertsFFN):
         else:
             self._down, self._scales = ptrs(self.down), torch.zeros(self.ea.n_expert, dtype=torch.int64)
         F, D = self.ea.n_ff_exp, self.up[0].n_cols
-        self._idx = torch.arange(F, dtype=torch.int64)
         self._buf = torch.empty(4 * F + D, dtype=torch.float32)
         self._ibuf = torch.empty(2 * F + 2 * (F // QK) + 2, dtype=torch.int64)
         self._qbuf = torch.empty(F, dtype=torch.int8)
@@ -159,9 +160,9 @@ class SparseExpertsFFN(ExpertsFFN):
         g, u, s, d = self._gate[e], self._up[e], self._scales[e], self._down[e]
         w = w.float().contiguous()
         fired = kernels._state["lib"].pi_sparse_experts(
-            kernels._QT[self.btype], self.ffn_kind, self.down_kind, e.numel(), g.data_ptr(), u.data_ptr(),
-            s.data_ptr(), d.data_ptr(), w.data_ptr(), self.ea.n_ff_exp, x.numel(), x.data_ptr(), out.data_ptr(),
-            self._idx.data_ptr(), self._buf.data_ptr(), self._ibuf.data_ptr(), self._qbuf.data_ptr())
+            kernels._QT[self.btype], self.ffn_kind, self.down_kind, self.gate_x8, e.numel(), g.data_ptr(),
+            u.data_ptr(), s.data_ptr(), d.data_ptr(), w.data_ptr(), self.ea.n_ff_exp, x.numel(), x.data_ptr(),
+            out.data_ptr(), self._buf.data_ptr(), self._ibuf.data_ptr(), self._qbuf.data_ptr())
         self.n_fired += int(fired)
         return out
 
@@ -188,15 +189,15 @@ class SparseExpertsFFN(ExpertsFFN):
 
 
 def build(g: GGUFFile, i: int, a: ModelArgs, ea: ExpertArgs, dtype: torch.dtype, pre_attention: bool) -> SparseExpertsFFN:
-    """Layer ``i``'s :class:`SparseExpertsFFN` (call when :func:`takes`): gate/up views of the map, down
-    re-laid out (:func:`load_down`)."""
+    """Layer ``i``'s :class:`SparseExpertsFFN` (call when :func:`takes`): gate in the dense products'
+    layout (:func:`~.moe.load_experts`: every row is read), up rows as views of the map, down re-laid
+    out (:func:`load_down`)."""
     p = f"blk.{i}."
     router = load_tensor(g, p + "ffn_gate_inp.weight", dtype)
     E, F, D = tensor_shape(g, p + "ffn_gate_exps.weight")
-    rows = []
-    for k in ("gate", "up"):
-        w = mapped_rows(g, f"{p}ffn_{k}_exps.weight", E * F, D)
-        rows.append([QWeight(w.raw[e * F:(e + 1) * F], w.btype, F, D) for e in range(E)])
+    gate = load_experts(g, p + "ffn_gate_exps.weight", dtype, True)  # every row read: the dense layout
+    w = mapped_rows(g, p + "ffn_up_exps.weight", E * F, D)
+    up = [QWeight(w.raw[e * F:(e + 1) * F], w.btype, F, D) for e in range(E)]  # fired rows only: the file's rows
     down_kind, down = load_down(g, p + "ffn_down_exps.weight")
-    return SparseExpertsFFN(a.family, a.activation, router, rows[0], rows[1], down, ea=ea,
+    return SparseExpertsFFN(a.family, a.activation, router, gate, up, down, ea=ea,
                             pre_attention=pre_attention, down_kind=down_kind)
