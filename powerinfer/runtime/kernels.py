@@ -138,11 +138,14 @@ def _build(native: bool = True) -> ctypes.CDLL:
     lib.pi_q_axpy_rows_multi.argtypes = [C, P, P, P, I, I, I, P, I]
     lib.pi_sparse_experts.argtypes = [C, C, C, C, I, P, P, P, P, P, I, I, P, P, P, P, P]
     lib.pi_sparse_experts.restype = I
+    lib.pi_sparse_expert_tokens.argtypes = [C, C, C, I, P, P, P, P, P, I, I, P, P, P, P, P]
+    lib.pi_sparse_expert_tokens.restype = I
     for f in (lib.pi_q_gemm, lib.pi_q_dot_rows, lib.pi_q_axpy_rows, lib.pi_x8_gemm, lib.pi_q_dot_rows_multi,
               lib.pi_q_axpy_rows_multi):
         f.restype = C
     for f in (lib.pi_q_gemm, lib.pi_q_dot_rows, lib.pi_q_axpy_rows, lib.pi_x8_gemm, lib.pi_q_dot_rows_multi,
-              lib.pi_q_axpy_rows_multi, lib.pi_q_sparse_ffn, lib.pi_sparse_experts):
+              lib.pi_q_axpy_rows_multi, lib.pi_q_sparse_ffn, lib.pi_sparse_experts,
+              lib.pi_sparse_expert_tokens):
         f.errcheck = _check_rc
     return lib
 

@@ -155,6 +155,38 @@ static void cols_down(int qt, const uint16_t *scales, const uint8_t *quants, int
     }
 }
 
+/* out [D] += w * (the expert on x) once its gate products g [F] are known: up rows where g > 0, the hidden
+ * values, the down rows or columns of the neurons whose hidden value is not 0 (arguments as
+ * pi_sparse_experts'). Returns that neuron count or a negative error code. */
+static int64_t after_gate(int qt, int ffn_kind, int down_kind, const float *g, const void *up, const void *dscale,
+                          const void *down, float w, int64_t F, int64_t D, const float *x, float *out, float *buf,
+                          int64_t *ibuf, int8_t *qbuf) {
+    float *u = buf, *h = u + F, *dxs = h + F, *y = dxs + F;
+    int64_t *nz = ibuf, *blocks = nz + F, *first = blocks + F / QK + 1, *live = first + F / QK + 1;
+    int64_t k = 0;
+    for (int64_t j = 0; j < F; j++)
+        if (g[j] > 0.f) live[k++] = j;  /* relu(g) = 0 for the others: their up rows are not read */
+    int rc = pi_q_dot_rows(qt, up, NULL, live, k, D, x, u, NULL, -INFINITY);
+    if (rc) return rc;
+    memset(h, 0, (size_t)F * sizeof(float));
+    int64_t m = 0;
+    for (int64_t p = 0; p < k; p++) {
+        const float v = ffn_kind == FFN_DREGLU ? g[live[p]] * (u[p] > 0.f ? u[p] : 0.f) : g[live[p]] * u[p];
+        h[live[p]] = v;
+        if (v != 0.f) live[m++] = live[p];  /* compacted in place: m <= p */
+    }
+    if (down_kind == DOWN_COLS) {
+        cols_down(qt, (const uint16_t *)dscale, (const uint8_t *)down, F, D, h, qbuf, dxs, blocks, first, nz, y);
+    } else if (down_kind == DOWN_ROWS) {
+        for (int64_t p = 0; p < m; p++) u[p] = h[live[p]];
+        if ((rc = pi_q_axpy_rows(qt, down, live, u, m, D, y))) return rc;
+    } else if ((rc = pi_q_gemm(qt, down, D, F, h, 1, y))) {
+        return rc;
+    }
+    for (int64_t d = 0; d < D; d++) out[d] += y[d] * w;
+    return m;
+}
+
 /* out [D] += sum_i w[i] * expert_i(x) for n experts; gate[i]: [F, D] of type qt, in 8-row groups when
  * gate_x8 (the dense kernels' fastest layout; every gate row is read) else rows; up[i]: [F, D] rows; down
  * per down_kind: COLS (dscale[i] scales, down[i] quants), ROWS (down[i] = down_t [F, D]) or DENSE (down[i] =
@@ -164,35 +196,29 @@ static void cols_down(int qt, const uint16_t *scales, const uint8_t *quants, int
 int64_t pi_sparse_experts(int qt, int ffn_kind, int down_kind, int gate_x8, int64_t n, const void *const *gate,
                           const void *const *up, const void *const *dscale, const void *const *down, const float *w,
                           int64_t F, int64_t D, const float *x, float *out, float *buf, int64_t *ibuf, int8_t *qbuf) {
-    float *g = buf, *u = g + F, *h = u + F, *dxs = h + F, *y = dxs + F;
-    int64_t *nz = ibuf, *blocks = nz + F, *first = blocks + F / QK + 1, *live = first + F / QK + 1;
     int64_t fired = 0;
     for (int64_t i = 0; i < n; i++) {
-        int rc = gate_x8 ? pi_x8_gemm(qt, gate[i], F, D, x, 1, g) : pi_q_gemm(qt, gate[i], F, D, x, 1, g);
+        int rc = gate_x8 ? pi_x8_gemm(qt, gate[i], F, D, x, 1, buf) : pi_q_gemm(qt, gate[i], F, D, x, 1, buf);
         if (rc) return rc;
-        int64_t k = 0;
-        for (int64_t j = 0; j < F; j++)
-            if (g[j] > 0.f) live[k++] = j;  /* relu(g) = 0 for the others: their up rows are not read */
-        if ((rc = pi_q_dot_rows(qt, up[i], NULL, live, k, D, x, u, NULL, -INFINITY))) return rc;
-        memset(h, 0, (size_t)F * sizeof(float));
-        int64_t m = 0;
-        for (int64_t p = 0; p < k; p++) {
-            const float v = ffn_kind == FFN_DREGLU ? g[live[p]] * (u[p] > 0.f ? u[p] : 0.f) : g[live[p]] * u[p];
-            h[live[p]] = v;
-            if (v != 0.f) live[m++] = live[p];  /* compacted in place: m <= p */
-        }
+        const int64_t m = after_gate(qt, ffn_kind, down_kind, buf, up[i], dscale[i], down[i], w[i], F, D, x, out,
+                                     buf + F, ibuf, qbuf);
+        if (m < 0) return m;
         fired += m;
-        if (down_kind == DOWN_COLS) {
-            cols_down(qt, (const uint16_t *)dscale[i], (const uint8_t *)down[i], F, D, h, qbuf, dxs, blocks, first,
-                      nz, y);
-        } else if (down_kind == DOWN_ROWS) {
-            for (int64_t p = 0; p < m; p++) u[p] = h[live[p]];
-            if ((rc = pi_q_axpy_rows(qt, down[i], live, u, m, D, y))) return rc;
-        } else if ((rc = pi_q_gemm(qt, down[i], D, F, h, 1, y))) {
-            return rc;
-        }
-        const float wi = w[i];
-        for (int64_t d = 0; d < D; d++) out[d] += y[d] * wi;
+    }
+    return fired;
+}
+
+/* The same for T tokens of one expert whose gate products g [T, F] are known (a prompt's tokens routed to
+ * it, the gate read once for all of them): out [T, D] += w[t] * expert(x[t]). */
+int64_t pi_sparse_expert_tokens(int qt, int ffn_kind, int down_kind, int64_t T, const float *g, const void *up,
+                                const void *dscale, const void *down, const float *w, int64_t F, int64_t D,
+                                const float *x, float *out, float *buf, int64_t *ibuf, int8_t *qbuf) {
+    int64_t fired = 0;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t m = after_gate(qt, ffn_kind, down_kind, g + t * F, up, dscale, down, w[t], F, D, x + t * D,
+                                     out + t * D, buf + F, ibuf, qbuf);
+        if (m < 0) return m;
+        fired += m;
     }
     return fired;
 }

@@ -18,10 +18,11 @@ re-laid out (``sparse_experts.c``, down kinds):
 * K-quants and Q5_0/Q5_1: no exact re-layout (the blocks run along ``n_ff_exp``); the down product stays
   dense (every row, on the sparse hidden vector), gate and up as above.
 
-Outputs equal the dense expert's up to float summation order (``tests/test_sparse_experts.py``). Each
-token runs alone (one C call per layer and token over its ``k`` experts in ascending order, summed with
-the router's weights as :class:`~.moe.ExpertsFFN` sums them), prompts too: a prompt's token reads only its
-own fired rows (``benchmarks/bench_sparse_experts.py`` measures prompts and decode against dense experts).
+Outputs equal the dense expert's up to float summation order (``tests/test_sparse_experts.py``). A decode
+step is one C call per layer over the token's ``k`` experts in ascending order, summed with the router's
+weights as :class:`~.moe.ExpertsFFN` sums them. A prompt is grouped by expert as the dense experts group
+it: each hit expert's gate is read once for all its tokens, then each token reads its own fired up rows
+and down columns (``benchmarks/bench_sparse_experts.py`` measures prompts and decode against dense experts).
 
 Used for every ReLU-expert file the C kernels compute in place (:func:`build`), unless ``dense``
 (``pi-run --dense``); f32 files and the torch backend keep dense experts.
@@ -166,16 +167,37 @@ class SparseExpertsFFN(ExpertsFFN):
         self.n_fired += int(fired)
         return out
 
+    def tokens(self, e: int, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``w[t] * expert_e(x[t])`` for the ``n`` tokens routed to expert ``e`` (``x`` fp32 ``[n, D]``, ``w``
+        fp32 ``[n]``) -> fp32 ``[n, D]``: the gate read once for all of them (the dense products, each token's
+        numbers as it gets them alone up to :data:`~.kernels.QGEMM_MAX_T` tokens), then each token's fired rows."""
+        g = kernels.linear(x, self.gate[e]).float().contiguous()
+        out = torch.zeros_like(x)
+        w = w.float().contiguous()
+        fired = kernels._state["lib"].pi_sparse_expert_tokens(
+            kernels._QT[self.btype], self.ffn_kind, self.down_kind, x.shape[0], g.data_ptr(), int(self._up[e]),
+            int(self._scales[e]), int(self._down[e]), w.data_ptr(), self.ea.n_ff_exp, x.shape[1], x.data_ptr(),
+            out.data_ptr(), self._buf.data_ptr(), self._ibuf.data_ptr(), self._qbuf.data_ptr())
+        self.n_fired += int(fired)
+        return out
+
     def __call__(self, h: torch.Tensor, xn: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """FFN output ``[T, D]`` for normed input ``xn`` ``[T, D]``, each token by itself."""
+        """FFN output ``[T, D]`` for normed input ``xn`` ``[T, D]``: one token through :meth:`token`; several
+        (a prompt) grouped by expert through :meth:`tokens`, each token adding its experts in ascending order."""
         t0 = time.perf_counter()
         w, sel = self.route(self._router_input(xn))
         xf = xn.float().contiguous()
-        es, slots = sel.sort(dim=-1)
-        ws = w.gather(1, slots)
-        out = torch.stack([self.token(xf[t], ws[t], es[t]) for t in range(xn.shape[0])])
-        self.expert_hits += torch.bincount(sel.view(-1), minlength=self.ea.n_expert)
         T = xn.shape[0]
+        hit = torch.bincount(sel.view(-1), minlength=self.ea.n_expert)
+        if T == 1:
+            es, slots = sel[0].sort()
+            out = self.token(xf[0], w[0, slots], es)[None]
+        else:
+            out = torch.zeros(T, xf.shape[1], dtype=torch.float32)
+            for e in hit.nonzero().view(-1).tolist():  # ascending
+                tok, slot = (sel == e).nonzero(as_tuple=True)
+                out.index_add_(0, tok, self.tokens(e, xf[tok].contiguous(), w[tok, slot]))
+        self.expert_hits += hit
         self.n_calls += T
         self.n_active += T * self.ea.n_used
         self.t_ffn += time.perf_counter() - t0
