@@ -132,3 +132,24 @@ def test_down_cols_is_the_same_matrix():
         else:
             vals = c.quants.view(torch.int8).float()
         assert torch.equal((vals * sc).T, want), btype
+
+
+def test_threads_give_the_same_numbers():
+    """Two threads split the gate rows and the down values among them: bit for bit one thread's output."""
+    E, k, F, D, T = 4, 2, 512, 1024, 3
+    a = ModelArgs.from_gguf(open_gguf(need(BUNDLED)))
+    v, (_, gate), (_, up), (down_raw, _) = _weights("Q4_0", E, F, D, fire=0.1, seed=4)
+    router = torch.randn(E, D, generator=torch.Generator().manual_seed(5))
+    sparse = SparseExpertsFFN(a.family, a.activation, router, [kernels.for_dense_products(w) for w in gate], up,
+                              down_cols(down_raw, "Q4_0", D, F), ea=ExpertArgs(E, k, F, gating="sigmoid"),
+                              down_kind=DOWN_COLS)
+    x = v[None] * 4 + 0.3 * torch.randn(T, D, generator=torch.Generator().manual_seed(6))
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [sparse(None, x[t:t + 1]) for t in range(T)]
+        torch.set_num_threads(2)
+        two = [sparse(None, x[t:t + 1]) for t in range(T)]
+    finally:
+        torch.set_num_threads(n)
+    assert all(torch.equal(p, q) for p, q in zip(one, two))

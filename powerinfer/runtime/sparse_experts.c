@@ -38,7 +38,8 @@ enum { DOWN_COLS = 0, DOWN_ROWS = 1, DOWN_DENSE = 2 };
 enum { FFN_REGLU = 0, FFN_DREGLU = 1 };
 #define QK 32
 #define CHUNK 2048 /* values of D summed per pass: an int32 and a float accumulator of this many in L1, each
-                      * fired row and scale row read sequentially over it (256: 1.7x slower, the rows in pieces) */
+                      * fired row and scale row read in one sequential run (256, the rows in pieces: 2.3 against
+                      * 1.9 ms per SmallThinker-21B-shaped layer and token, 1 thread, one noisy measurement) */
 #define PAR_MIN_D 512
 
 static inline float f16_to_f32(uint16_t h) {
