@@ -153,3 +153,17 @@ def test_threads_give_the_same_numbers():
     finally:
         torch.set_num_threads(n)
     assert all(torch.equal(p, q) for p, q in zip(one, two))
+
+
+def test_decode_bytes_count_the_fired_rows(files):
+    """The bytes a decode step reads (pi-run --bench) shrink with the fired share: gate rows all, up and
+    down quants of the fired neurons only."""
+    m = SmallThinkerTransformer(open_gguf(files["q4_0"]))
+    f = m.layers[0].ffn
+    before = f.decode_bytes()  # nothing measured yet: every row
+    teacher_forced(m, IDS, N_PREFILL)
+    share = f.n_fired / (f.n_active * f.ea.n_ff_exp)
+    gate, up = sum(w.nbytes for w in f.gate) / 4, sum(w.nbytes for w in f.up) / 4
+    quants, scales = sum(d.quants.numel() for d in f.down) / 4, sum(d.scales.numel() for d in f.down) / 4
+    assert f.decode_bytes() == pytest.approx(f.router.numel() * 4 + 2 * (gate + share * (up + quants) + scales))
+    assert f.decode_bytes() < before

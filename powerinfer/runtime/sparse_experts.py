@@ -39,7 +39,7 @@ from ..quant.qweight import MAPPED_TYPES, QWeight
 from . import kernels
 from .args import ModelArgs
 from .moe import ExpertArgs, ExpertsFFN, load_experts
-from .weights import _NATIVE, _release, _tensor, load_tensor, mapped_rows, tensor_shape, weight_nbytes
+from .weights import _NATIVE, _release, _tensor, empty, load_tensor, mapped_rows, tensor_shape, weight_nbytes
 
 QK = 32
 DOWN_COLS, DOWN_ROWS, DOWN_DENSE = 0, 1, 2  # sparse_experts.c's down_kind
@@ -65,43 +65,70 @@ class DownCols:
         return self.scales.numel() + self.quants.numel()
 
 
-def down_cols(raw: torch.Tensor, btype: str, D: int, F: int) -> list[DownCols]:
+def down_cols(raw: torch.Tensor, btype: str, D: int, F: int, scales: torch.Tensor | None = None,
+              quants: torch.Tensor | None = None) -> list[DownCols]:
     """:class:`DownCols` of ``n`` experts from their rows: ``raw`` uint8 ``[n * D, row_bytes]`` (Q4_0 or
-    Q8_0 ``[D, F]`` matrices stacked)."""
+    Q8_0 ``[D, F]`` matrices stacked). ``scales`` ``[n, F/32, 2 D]`` and ``quants`` ``[n, F, D/2 or D]``
+    (uint8): where to write them (None: new tensors)."""
     nb, bb = F // QK, 18 if btype == "Q4_0" else 34
     blocks = raw.reshape(-1, D, nb, bb)
     n = blocks.shape[0]
-    scales = blocks[..., :2].permute(0, 2, 1, 3).reshape(n, nb, 2 * D).contiguous()
+    if scales is None:
+        scales = torch.empty(n, nb, 2 * D, dtype=torch.uint8)
+        quants = torch.empty(n, F, D // 2 if btype == "Q4_0" else D, dtype=torch.uint8)
+    scales.view(n, nb, D, 2).copy_(blocks[..., :2].permute(0, 2, 1, 3))
     qs = blocks[..., 2:]
     if btype == "Q4_0":  # nibbles -> values 0..15 in F order, transposed, packed again along D
         vals = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, D, F).transpose(1, 2).reshape(n, F, D // QK, QK)
-        quants = (vals[..., :16] | (vals[..., 16:] << 4)).reshape(n, F, D // 2).contiguous()  # (the op keeps strides)
+        quants.view(n, F, D // QK, 16).copy_(vals[..., :16] | (vals[..., 16:] << 4))
     else:
-        quants = qs.reshape(n, D, F).transpose(1, 2).contiguous()
+        quants.copy_(qs.reshape(n, D, F).transpose(1, 2))
     return [DownCols(scales[e], quants[e], btype) for e in range(n)]
 
 
-def down_t_16(raw: torch.Tensor, bt, D: int, F: int) -> list[QWeight]:
-    """f16/bf16 ``down`` rows ``raw`` uint8 ``[n * D, 2 F]`` -> ``n`` QWeights ``down_t`` ``[F, D]`` (copies)."""
-    t = raw.view(torch.int16).reshape(-1, D, F).transpose(1, 2).contiguous()
-    return [QWeight(t[e].view(torch.uint8), bt, F, D) for e in range(t.shape[0])]
+def down_t_16(raw: torch.Tensor, bt, D: int, F: int, out: torch.Tensor | None = None) -> list[QWeight]:
+    """f16/bf16 ``down`` rows ``raw`` uint8 ``[n * D, 2 F]`` -> ``n`` QWeights ``down_t`` ``[F, D]``, written
+    into ``out`` uint8 ``[n, F, 2 D]`` (None: a new tensor)."""
+    t = raw.view(torch.int16).reshape(-1, D, F)
+    out = torch.empty(t.shape[0], F, 2 * D, dtype=torch.uint8) if out is None else out
+    out.view(torch.int16).copy_(t.transpose(1, 2))
+    return [QWeight(out[e], bt, F, D) for e in range(t.shape[0])]
 
 
 def load_down(g: GGUFFile, name: str) -> tuple[int, list]:
-    """``(down_kind, E matrices)`` of stacked ``ffn_down_exps`` ``[E, D, F]``, the file's pages released
-    when the re-layout copied them."""
+    """``(down_kind, E matrices)`` of stacked ``ffn_down_exps`` ``[E, D, F]``: re-laid out into anonymous
+    (huge-page-advised) memory and the file's pages released where :data:`COLS_TYPES` or
+    :data:`ROWS_TYPES`, else row views of the map."""
     E, D, F = tensor_shape(g, name)
     kind = g.tensors[name].tensor_type.name
     w = mapped_rows(g, name, E * D, F)
-    if kind in COLS_TYPES or kind in ROWS_TYPES:
-        relay = down_cols if kind in COLS_TYPES else (lambda r, k, d, f: down_t_16(r, w.btype, d, f))
-        out = []
-        for e0 in range(0, E, EXPERT_CHUNK):
-            e1 = min(E, e0 + EXPERT_CHUNK)
-            out += relay(w.raw[e0 * D:e1 * D], kind, D, F)
-        _release(g, _tensor(g, name))
-        return (DOWN_COLS if kind in COLS_TYPES else DOWN_ROWS), out
-    return DOWN_DENSE, [QWeight(w.raw[e * D:(e + 1) * D], w.btype, D, F) for e in range(E)]
+    if kind not in COLS_TYPES and kind not in ROWS_TYPES:
+        return DOWN_DENSE, [QWeight(w.raw[e * D:(e + 1) * D], w.btype, D, F) for e in range(E)]
+    if kind in COLS_TYPES:
+        scales = empty((E, F // QK, 2 * D), torch.uint8)
+        quants = empty((E, F, D // 2 if kind == "Q4_0" else D), torch.uint8)
+    else:
+        out = empty((E, F, 2 * D), torch.uint8)
+    res = []
+    for e0 in range(0, E, EXPERT_CHUNK):  # a few experts at a time: small transient copies
+        e1 = min(E, e0 + EXPERT_CHUNK)
+        rows = w.raw[e0 * D:e1 * D]
+        res += (down_cols(rows, kind, D, F, scales[e0:e1], quants[e0:e1]) if kind in COLS_TYPES
+                else down_t_16(rows, w.btype, D, F, out[e0:e1]))
+    _release(g, _tensor(g, name))
+    return (DOWN_COLS if kind in COLS_TYPES else DOWN_ROWS), res
+
+
+def load_up(g: GGUFFile, name: str) -> list[QWeight]:
+    """The ``E`` up matrices ``[F, D]`` of stacked ``ffn_up_exps``, in the file's row layout (rows are read
+    one by one), copied once into anonymous memory and the file's pages released, as the dense matrices
+    are (so the page cache cannot drop them under memory pressure)."""
+    E, F, D = tensor_shape(g, name)
+    w = mapped_rows(g, name, E * F, D)
+    raw = empty(tuple(w.raw.shape), torch.uint8)
+    raw.copy_(w.raw)
+    _release(g, _tensor(g, name))
+    return [QWeight(raw[e * F:(e + 1) * F], w.btype, F, D) for e in range(E)]
 
 
 def takes(g: GGUFFile, i: int, a: ModelArgs, ea: ExpertArgs, dtype: torch.dtype, mapped: bool) -> bool:
@@ -118,7 +145,7 @@ def takes(g: GGUFFile, i: int, a: ModelArgs, ea: ExpertArgs, dtype: torch.dtype,
 class SparseExpertsFFN(ExpertsFFN):
     """:class:`~.moe.ExpertsFFN` whose routed experts compute only their fired neurons' rows
     (``sparse_experts.c``). ``gate``: ``E`` QWeights ``[F, D]`` (x8 layout for block types), ``up``: ``E`` row-layout
-    QWeights ``[F, D]`` (views of the map);
+    QWeights ``[F, D]`` (copies of the file's rows);
     ``down``: ``E`` :class:`DownCols`, ``down_t`` QWeights ``[F, D]`` or ``down`` QWeights ``[D, F]``
     as ``down_kind`` says; ``down_scales``: the DownCols' scales (else None). ``n_fired``: neurons whose
     hidden value was not 0, summed over expert evaluations."""
@@ -204,22 +231,28 @@ class SparseExpertsFFN(ExpertsFFN):
         return out.to(xn.dtype)
 
     def decode_bytes(self) -> float:
-        """Weight bytes one token reads at most: the router and ``k`` experts (fewer: only fired rows)."""
-        per = weight_nbytes(self.gate) + weight_nbytes(self.up) + sum(
-            d.nbytes if isinstance(d, DownCols) else weight_nbytes(d) for d in self.down)
-        return weight_nbytes(self.router) + per * self.ea.n_used / self.ea.n_expert
+        """Weight bytes one token reads: the router and, for each of ``k`` experts, the gate, and the up rows
+        and down rows or columns of the share of neurons that fired so far (all of them before any call;
+        the scales of every block of a block-column down matrix; every row of a dense down matrix)."""
+        E, k = self.ea.n_expert, self.ea.n_used
+        share = self.n_fired / (self.n_active * self.ea.n_ff_exp) if self.n_active else 1.0
+        gate, up = weight_nbytes(self.gate) / E, weight_nbytes(self.up) / E
+        if self.down_kind == DOWN_COLS:
+            down = sum(share * d.quants.numel() + d.scales.numel() for d in self.down) / E
+        else:
+            down = weight_nbytes(self.down) / E * (share if self.down_kind == DOWN_ROWS else 1.0)
+        return weight_nbytes(self.router) + k * (gate + share * up + down)
 
 
 def build(g: GGUFFile, i: int, a: ModelArgs, ea: ExpertArgs, dtype: torch.dtype, pre_attention: bool) -> SparseExpertsFFN:
     """Layer ``i``'s :class:`SparseExpertsFFN` (call when :func:`takes`): gate in the dense products'
-    layout (:func:`~.moe.load_experts`: every row is read), up rows as views of the map, down re-laid
-    out (:func:`load_down`)."""
+    layout (:func:`~.moe.load_experts`: every row is read), up in rows (:func:`load_up`), down re-laid
+    out (:func:`load_down`); every one an anonymous copy of the file's bytes, as dense experts are."""
     p = f"blk.{i}."
     router = load_tensor(g, p + "ffn_gate_inp.weight", dtype)
     E, F, D = tensor_shape(g, p + "ffn_gate_exps.weight")
     gate = load_experts(g, p + "ffn_gate_exps.weight", dtype, True)  # every row read: the dense layout
-    w = mapped_rows(g, p + "ffn_up_exps.weight", E * F, D)
-    up = [QWeight(w.raw[e * F:(e + 1) * F], w.btype, F, D) for e in range(E)]  # fired rows only: the file's rows
+    up = load_up(g, p + "ffn_up_exps.weight")
     down_kind, down = load_down(g, p + "ffn_down_exps.weight")
     return SparseExpertsFFN(a.family, a.activation, router, gate, up, down, ea=ea,
                             pre_attention=pre_attention, down_kind=down_kind)
