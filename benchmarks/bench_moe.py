@@ -111,6 +111,16 @@ def med(rs: list[Result], key: str) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def ram_medians(results: list[Result]) -> dict:
+    """{(shape, threads, "llama.cpp" or "pi-run"): median decode tok/s} of part 1's runs."""
+    out = {}
+    for r in results:
+        key = (r.type, r.threads, "llama.cpp" if r.engine == "llama.cpp" else "pi-run")
+        out.setdefault(key, med([x for x in results if (x.type, x.threads) == key[:2]
+                                 and (x.engine == "llama.cpp") == (key[2] == "llama.cpp")], "decode_tps"))
+    return out
+
+
 def ram_table(results: list[Result]) -> str:
     out = ["| shape | layers | threads | llama.cpp decode tok/s | pi-run decode tok/s | decode ratio | "
            "llama.cpp prompt tok/s | pi-run prompt tok/s | prompt ratio | peak RSS GB (llama.cpp / pi-run) | file GB |",
@@ -224,7 +234,7 @@ def limited(f: Path, shape: str, threads: list[int], share: float, cap: int, n_t
             mine = not name.startswith("llama.cpp")
             unl = pi_ram if mine else ll_ram
             same = "-" if not mine else ("yes" if r.rc == 0 and r.text == full.text else
-                                         f"no ({refusal(r.err)[:60]})" if r.rc else "no")
+                                         f"no ({refusal(r.err).split(': ')[-1][:80]})" if r.rc else "no")
             vs_own = f"{tps0(r) / unl:.2f}x" if unl else "-"
             vs_ll = "-" if not mine else (f"{tps0(r) / ll_lim:.1f}x" if ll_lim else
                                           "llama.cpp 0" if tps0(r) else "-")
@@ -258,6 +268,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run (a limited run past it: 0 tok/s)")
     ap.add_argument("--no-ram", action="store_true", help="skip part 1")
     ap.add_argument("--no-limit", action="store_true", help="skip parts 2 and 3")
+    ap.add_argument("--ram-from", type=Path, default=None,
+                    help="with --no-ram: the in-RAM speeds of part 3's table from an earlier run's --json")
     ap.add_argument("--cpu-time", action="store_true",
                     help="instead: decode tokens per CPU-second at 1 thread (bench_llama3.py --cpu-time: runs of 16 "
                          "and 16 + N tokens per engine), robust to other processes on the machine")
@@ -296,12 +308,11 @@ def main(argv: list[str] | None = None) -> None:
     if not a.no_ram:
         results = in_ram(files, threads, a.rounds, a.n_prompt, a.n_gen, a.avx2, LlamaBench(a.llama_bin / "llama-bench"),
                          a.timeout, log)
-        for r in results:
-            key = (r.type, r.threads, "llama.cpp" if r.engine == "llama.cpp" else "pi-run")
-            ram.setdefault(key, med([x for x in results if (x.type, x.threads) == key[:2]
-                                     and (x.engine == "llama.cpp") == (key[2] == "llama.cpp")], "decode_tps"))
+        ram = ram_medians(results)
         out += ["\n## In RAM\n", ram_table(results)]
         jpath.write_text(json.dumps({"header": header, "runs": log}, indent=1))
+    elif a.ram_from:
+        ram = ram_medians([Result(**r) for r in json.loads(a.ram_from.read_text())["runs"]])
     if not a.no_limit:
         probe = rb.disk_probe(next(iter(files.values())))
         out += [f"\n## Under a memory cgroup of {a.share}x the file (page cache evicted first)\n",
