@@ -194,9 +194,11 @@ def projection(r: rb.Result, unlimited_tps: float | None) -> str:
 
 
 def limited(f: Path, shape: str, threads: list[int], share: float, cap: int, n_text: int, timeout: float,
-            bins: Path, budget_margin: float, ram: dict, log: list, avx2: bool) -> list[str]:
+            bins: Path, budget_margin: float, ram: dict, log: list, avx2: bool,
+            activation: Path | None = None) -> list[str]:
     """Part 2 and 3 for file ``f``: the table rows (markdown); ``avx2``: pi-run's kernels built for
-    ``haswell``, torch limited to AVX2, f32 compute (as ``bench_llama3.PiRun``)."""
+    ``haswell``, torch limited to AVX2, f32 compute (as ``bench_llama3.PiRun``); ``activation``: the
+    folder ``--ram-budget`` reads routing counts from (``pi-profile`` of the file)."""
     llama_bench, completion = bins / "llama-bench", bins / "llama-completion"
     env = {"LD_LIBRARY_PATH": f"{bins}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
     limit = int(share * f.stat().st_size)
@@ -216,7 +218,7 @@ def limited(f: Path, shape: str, threads: list[int], share: float, cap: int, n_t
         if loadable:
             runs["pi-run"] = measured(f"pi-run t{th}", rb.pi_cmd(f, n_text, TEXT_ARGS + t), limit, timeout, [f],
                                       lambda r: rb.parse_pi(r, False), n_text, pi_env)
-            budget_args = ["--ram-budget", f"{budget:.3f}"]
+            budget_args = ["--ram-budget", f"{budget:.3f}"] + (["--activation", str(activation)] if activation else [])
             runs["pi-run --ram-budget"] = measured(
                 f"pi-run --ram-budget t{th}", rb.pi_cmd(f, n_text, TEXT_ARGS + t + budget_args), limit, timeout, [f],
                 lambda r: rb.parse_pi(r, False), n_text, pi_env)
@@ -268,6 +270,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run (a limited run past it: 0 tok/s)")
     ap.add_argument("--no-ram", action="store_true", help="skip part 1")
     ap.add_argument("--no-limit", action="store_true", help="skip parts 2 and 3")
+    ap.add_argument("--activation", type=Path, default=None,
+                    help="for --ram-budget: a folder with one pi-profile activation folder per shape (ACT/<shape>)")
     ap.add_argument("--ram-from", type=Path, default=None,
                     help="with --no-ram: the in-RAM speeds of part 3's table from an earlier run's --json")
     ap.add_argument("--cpu-time", action="store_true",
@@ -323,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
                 "|---|--:|---|--:|--:|--:|--:|--:|--:|---|"]
         for shape, f in files.items():
             out += limited(f, shape, threads, a.share, a.cap, a.n_text, a.timeout, a.llama_bin, a.budget_margin, ram, log,
-                           a.avx2)
+                           a.avx2, a.activation / shape if a.activation else None)
             jpath.write_text(json.dumps({"header": header, "runs": log}, indent=1))
     print("\n".join(out))
     print(f"load average {os.getloadavg()[0]:.2f}; raw runs: {jpath}")
