@@ -8,7 +8,8 @@ each routed expert) and pi-run with sparse experts (the default: only the fired 
 prompt and N decode steps). ``--avx2``: our kernels built ``-march=haswell`` and torch limited to AVX2
 (run llama.cpp's AVX2-only build). Prints each run, then medians and the ratios sparse / dense and
 sparse / llama.cpp per thread count. Other processes on the machine slow every engine alike within a
-round; compare the ratios.
+round; compare the ratios. ``--cpu-time`` instead gives decode tokens per CPU-second at 1 thread
+(``bench_llama3.cpu_time_table``), which other processes barely change.
 
     python benchmarks/bench_sparse_experts.py FILE --llama-bin LLAMA_BUILD/bin --avx2 --threads 1,2 \\
         --rounds 2 -p 64 -n 32
@@ -23,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_llama3 import LlamaBench, PiRun, Result, load_avg1  # noqa: E402
+from bench_llama3 import LlamaBench, PiRun, Result, cpu_time_table, load_avg1  # noqa: E402
 
 
 class PiRunExperts(PiRun):
@@ -75,12 +76,19 @@ def main() -> None:
     ap.add_argument("-p", type=int, default=64)
     ap.add_argument("-n", type=int, default=32)
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="instead: decode tokens per CPU-second at 1 thread (bench_llama3.cpu_time_table: runs of 16 "
+                         "and 16 + N tokens per engine), robust to other processes on the machine")
     a = ap.parse_args()
     if not a.file.is_file():
         raise SystemExit(f"{a.file}: not found")
     engines = {"llama.cpp": LlamaBench(a.llama_bin / "llama-bench"), "pi dense experts": PiRunExperts(True, a.avx2),
                "pi sparse experts": PiRunExperts(False, a.avx2)}
     names = list(engines)
+    if a.cpu_time:
+        print(f"bench_sparse_experts --cpu-time: {a.file}, tg{a.n}; load average {load_avg1():.2f}", flush=True)
+        print(cpu_time_table([(name, "q4_0", 0, a.file) for name in names], engines, a.n, a.timeout))
+        return
     threads = [int(t) for t in a.threads.split(",")]
     got: dict[tuple[str, int], list[Result]] = {}
     print(f"bench_sparse_experts: {a.file}, pp{a.p} / tg{a.n}, {a.rounds} rounds, threads {threads}, "
