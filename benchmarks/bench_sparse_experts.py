@@ -47,15 +47,31 @@ class PiRunExperts(PiRun):
 
 
 def child(argv: list[str]) -> None:
-    """(Child process.) ``bench_llama3.child`` with the loader's ``dense`` set from the environment."""
+    """(Child process.) ``bench_llama3.child`` with the loader's ``dense`` set from the environment; its JSON
+    line gains ``decode_cpu_tps``: decode steps per CPU-second of this process during the timed decode
+    (after loading and warm-up), which other processes on the machine barely change."""
+    import contextlib
+    import io
+    import json
     import os
+    import time
 
     import bench_llama3
 
-    from powerinfer.runtime import loading
+    from powerinfer.runtime import generate as gen, loading
 
     dense = os.environ.get("PI_BENCH_DENSE_EXPERTS") == "1"
     loading.open_for_inference = functools.partial(loading.open_for_inference, dense=dense)
+    cpu = []
+    orig = gen.generate
+
+    def timed(model, ids, n, *args, **kw):
+        c0 = time.process_time()
+        r = orig(model, ids, n, *args, **kw)
+        cpu.append((n, time.process_time() - c0))
+        return r
+
+    gen.generate = timed
     p = argparse.ArgumentParser()
     p.add_argument("--child")
     p.add_argument("--threads", type=int)
@@ -63,7 +79,13 @@ def child(argv: list[str]) -> None:
     p.add_argument("-n", type=int)
     p.add_argument("--dtype")
     a = p.parse_args(argv)
-    bench_llama3.child(a.child, a.threads, a.p, a.n, a.dtype)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        bench_llama3.child(a.child, a.threads, a.p, a.n, a.dtype)
+    m = json.loads(buf.getvalue().strip().splitlines()[-1])
+    n, secs = cpu[-1]  # the timed decode: n - 1 steps after a one-token prompt
+    m["decode_cpu_tps"] = (n - 1) / secs if secs > 0 else None
+    print(json.dumps(m))
 
 
 def main() -> None:
@@ -101,6 +123,8 @@ def main() -> None:
                 engines[name].run(res, a.p, a.n, a.timeout)
                 got.setdefault((name, t), []).append(res)
                 line = res.error or f"decode {res.decode_tps:7.2f} tok/s  prompt {res.prompt_tps:7.2f} tok/s"
+                if res.extra.get("decode_cpu_tps"):
+                    line += f"  decode {res.extra['decode_cpu_tps']:6.2f} tok/CPU-s"
                 print(f"  r{r + 1} t{t} {name:18s} {line}  peak RSS {res.peak_rss / 1e9:5.2f} GB  "
                       f"load {load_avg1():.2f}", flush=True)
     print("medians (decode tok/s, prompt tok/s):")
@@ -111,6 +135,12 @@ def main() -> None:
             med[name] = (statistics.median(x.decode_tps for x in rs) if rs else float("nan"),
                          statistics.median(x.prompt_tps for x in rs) if rs else float("nan"))
             print(f"  t{t} {name:18s} decode {med[name][0]:7.2f}  prompt {med[name][1]:7.2f}")
+        cpu = {n: [x.extra["decode_cpu_tps"] for x in got[(n, t)] if x.extra.get("decode_cpu_tps")]
+               for n in ("pi dense experts", "pi sparse experts")}
+        if all(cpu.values()):
+            c = {n: statistics.median(v) for n, v in cpu.items()}
+            print(f"  t{t} decode tok/CPU-s dense {c['pi dense experts']:.2f}, sparse {c['pi sparse experts']:.2f} "
+                  f"({c['pi sparse experts'] / c['pi dense experts']:.2f}x)")
         sp, de, ll = med["pi sparse experts"], med["pi dense experts"], med["llama.cpp"]
         print(f"  t{t} decode sparse/dense {sp[0] / de[0]:.2f}x, sparse/llama.cpp {sp[0] / ll[0]:.2f}x; "
               f"prompt sparse/dense {sp[1] / de[1]:.2f}x, sparse/llama.cpp {sp[1] / ll[1]:.2f}x")
