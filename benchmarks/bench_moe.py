@@ -111,6 +111,16 @@ def med(rs: list[Result], key: str) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def ram_medians(results: list[Result]) -> dict:
+    """{(shape, threads, "llama.cpp" or "pi-run"): median decode tok/s} of part 1's runs."""
+    out = {}
+    for r in results:
+        key = (r.type, r.threads, "llama.cpp" if r.engine == "llama.cpp" else "pi-run")
+        out.setdefault(key, med([x for x in results if (x.type, x.threads) == key[:2]
+                                 and (x.engine == "llama.cpp") == (key[2] == "llama.cpp")], "decode_tps"))
+    return out
+
+
 def ram_table(results: list[Result]) -> str:
     out = ["| shape | layers | threads | llama.cpp decode tok/s | pi-run decode tok/s | decode ratio | "
            "llama.cpp prompt tok/s | pi-run prompt tok/s | prompt ratio | peak RSS GB (llama.cpp / pi-run) | file GB |",
@@ -184,9 +194,11 @@ def projection(r: rb.Result, unlimited_tps: float | None) -> str:
 
 
 def limited(f: Path, shape: str, threads: list[int], share: float, cap: int, n_text: int, timeout: float,
-            bins: Path, budget_margin: float, ram: dict, log: list, avx2: bool) -> list[str]:
+            bins: Path, budget_margin: float, ram: dict, log: list, avx2: bool,
+            activation: Path | None = None) -> list[str]:
     """Part 2 and 3 for file ``f``: the table rows (markdown); ``avx2``: pi-run's kernels built for
-    ``haswell``, torch limited to AVX2, f32 compute (as ``bench_llama3.PiRun``)."""
+    ``haswell``, torch limited to AVX2, f32 compute (as ``bench_llama3.PiRun``); ``activation``: the
+    folder ``--ram-budget`` reads routing counts from (``pi-profile`` of the file)."""
     llama_bench, completion = bins / "llama-bench", bins / "llama-completion"
     env = {"LD_LIBRARY_PATH": f"{bins}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
     limit = int(share * f.stat().st_size)
@@ -206,7 +218,7 @@ def limited(f: Path, shape: str, threads: list[int], share: float, cap: int, n_t
         if loadable:
             runs["pi-run"] = measured(f"pi-run t{th}", rb.pi_cmd(f, n_text, TEXT_ARGS + t), limit, timeout, [f],
                                       lambda r: rb.parse_pi(r, False), n_text, pi_env)
-            budget_args = ["--ram-budget", f"{budget:.3f}"]
+            budget_args = ["--ram-budget", f"{budget:.3f}"] + (["--activation", str(activation)] if activation else [])
             runs["pi-run --ram-budget"] = measured(
                 f"pi-run --ram-budget t{th}", rb.pi_cmd(f, n_text, TEXT_ARGS + t + budget_args), limit, timeout, [f],
                 lambda r: rb.parse_pi(r, False), n_text, pi_env)
@@ -224,7 +236,7 @@ def limited(f: Path, shape: str, threads: list[int], share: float, cap: int, n_t
             mine = not name.startswith("llama.cpp")
             unl = pi_ram if mine else ll_ram
             same = "-" if not mine else ("yes" if r.rc == 0 and r.text == full.text else
-                                         f"no ({refusal(r.err)[:60]})" if r.rc else "no")
+                                         f"no ({refusal(r.err).split(': ')[-1][:80]})" if r.rc else "no")
             vs_own = f"{tps0(r) / unl:.2f}x" if unl else "-"
             vs_ll = "-" if not mine else (f"{tps0(r) / ll_lim:.1f}x" if ll_lim else
                                           "llama.cpp 0" if tps0(r) else "-")
@@ -258,6 +270,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run (a limited run past it: 0 tok/s)")
     ap.add_argument("--no-ram", action="store_true", help="skip part 1")
     ap.add_argument("--no-limit", action="store_true", help="skip parts 2 and 3")
+    ap.add_argument("--activation", type=Path, default=None,
+                    help="for --ram-budget: a folder with one pi-profile activation folder per shape (ACT/<shape>)")
+    ap.add_argument("--ram-from", type=Path, default=None,
+                    help="with --no-ram: the in-RAM speeds of part 3's table from an earlier run's --json")
     ap.add_argument("--cpu-time", action="store_true",
                     help="instead: decode tokens per CPU-second at 1 thread (bench_llama3.py --cpu-time: runs of 16 "
                          "and 16 + N tokens per engine), robust to other processes on the machine")
@@ -296,12 +312,11 @@ def main(argv: list[str] | None = None) -> None:
     if not a.no_ram:
         results = in_ram(files, threads, a.rounds, a.n_prompt, a.n_gen, a.avx2, LlamaBench(a.llama_bin / "llama-bench"),
                          a.timeout, log)
-        for r in results:
-            key = (r.type, r.threads, "llama.cpp" if r.engine == "llama.cpp" else "pi-run")
-            ram.setdefault(key, med([x for x in results if (x.type, x.threads) == key[:2]
-                                     and (x.engine == "llama.cpp") == (key[2] == "llama.cpp")], "decode_tps"))
+        ram = ram_medians(results)
         out += ["\n## In RAM\n", ram_table(results)]
         jpath.write_text(json.dumps({"header": header, "runs": log}, indent=1))
+    elif a.ram_from:
+        ram = ram_medians([Result(**r) for r in json.loads(a.ram_from.read_text())["runs"]])
     if not a.no_limit:
         probe = rb.disk_probe(next(iter(files.values())))
         out += [f"\n## Under a memory cgroup of {a.share}x the file (page cache evicted first)\n",
@@ -312,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
                 "|---|--:|---|--:|--:|--:|--:|--:|--:|---|"]
         for shape, f in files.items():
             out += limited(f, shape, threads, a.share, a.cap, a.n_text, a.timeout, a.llama_bin, a.budget_margin, ram, log,
-                           a.avx2)
+                           a.avx2, a.activation / shape if a.activation else None)
             jpath.write_text(json.dumps({"header": header, "runs": log}, indent=1))
     print("\n".join(out))
     print(f"load average {os.getloadavg()[0]:.2f}; raw runs: {jpath}")

@@ -68,6 +68,7 @@ from ..quant.qweight import QWeight
 SOURCE = Path(__file__).with_name("kernels.c")
 QSOURCE = Path(__file__).with_name("qkernels.c")
 FSOURCE = Path(__file__).with_name("sparse_ffn.c")  # one token's sparse FFN in one call
+ESOURCE = Path(__file__).with_name("sparse_experts.c")  # one token's routed ReLU experts, fired rows only
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 _KV = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.uint8: 3}  # kernels.c's KV cache types
 # (kv_cache.py; uint8: q8_0 blocks)
@@ -92,7 +93,7 @@ def _build(native: bool = True) -> ctypes.CDLL:
     flags) and load them. ``native=False`` builds the portable scalar code (tests use it)."""
     from ..hardware import cpu_flags
 
-    sources = (SOURCE, QSOURCE, FSOURCE)
+    sources = (SOURCE, QSOURCE, FSOURCE, ESOURCE)
     src = b"".join(p.read_bytes() for p in sources)
     cc = os.environ.get("CC", "cc")
     march = os.environ.get("POWERINFER_MARCH") or "native"  # e.g. haswell: AVX2 code on an AVX-512 CPU
@@ -138,11 +139,16 @@ def _build(native: bool = True) -> ctypes.CDLL:
     lib.pi_q_dot_rows_multi.argtypes = [C, P, P, P, I, I, P, I, P, P, P, F32]
     lib.pi_q_axpy_rows_multi.argtypes = [C, P, P, P, I, I, I, P, I]
     lib.pi_q_axpy_sparse.argtypes = [C, P, P, I, F32, I, P, P]
+    lib.pi_sparse_experts.argtypes = [C, C, C, C, I, P, P, P, P, P, I, I, P, P, P, P, P]
+    lib.pi_sparse_experts.restype = I
+    lib.pi_sparse_expert_tokens.argtypes = [C, C, C, I, P, P, P, P, P, I, I, P, P, P, P, P]
+    lib.pi_sparse_expert_tokens.restype = I
     for f in (lib.pi_q_gemm, lib.pi_q_dot_rows, lib.pi_q_axpy_rows, lib.pi_x8_gemm, lib.pi_q_dot_rows_multi,
               lib.pi_q_axpy_rows_multi, lib.pi_q_axpy_sparse):
         f.restype = C
     for f in (lib.pi_q_gemm, lib.pi_q_dot_rows, lib.pi_q_axpy_rows, lib.pi_x8_gemm, lib.pi_q_dot_rows_multi,
-              lib.pi_q_axpy_rows_multi, lib.pi_q_sparse_ffn, lib.pi_q_axpy_sparse):
+              lib.pi_q_axpy_rows_multi, lib.pi_q_sparse_ffn, lib.pi_q_axpy_sparse, lib.pi_sparse_experts,
+              lib.pi_sparse_expert_tokens):
         f.errcheck = _check_rc
     return lib
 

@@ -322,7 +322,7 @@ class Transformer:
         # f16 or bf16: no f32 copy); the torch backend dequantizes to ``dtype`` at load.
         mapped = kernels.backend() == "c"
         check_dequantized(g, dtype, mapped, available_memory())  # before any allocation
-        ffn_builder = ffn_builder or experts_builder(g, a)  # mixture-of-experts files (moe.py), checked here
+        ffn_builder = ffn_builder or experts_builder(g, a, sparse=not dense)  # mixture-of-experts files (moe.py), checked here
         self.quantized = is_quantized(g) and mapped
         self.tok_embd = load_matrix(g, "token_embd.weight", dtype, mapped)  # [V, D]
         if self.tok_embd.shape != (a.n_vocab or self.tok_embd.shape[0], a.n_embd):

@@ -212,16 +212,19 @@ class ExpertsFFN:
         h = self.act.apply(linear(x, gate)) * linear(x, up)
         return linear(h, down)
 
+    def _router_input(self, xn: torch.Tensor) -> torch.Tensor:
+        """What the router reads for normed input ``xn``: ``xn``, or the layer input the block set."""
+        if not self.pre_attention:
+            return xn
+        if self.router_in is None or self.router_in.shape[0] != xn.shape[0]:
+            raise RuntimeError("a pre-attention router needs router_in set by the block")
+        x, self.router_in = self.router_in, None
+        return x
+
     def __call__(self, h: torch.Tensor, xn: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """FFN output ``[T, D]`` for normed input ``xn`` ``[T, D]`` (``h``, ``mask``: unused, no predictor)."""
         t0 = time.perf_counter()
-        if self.pre_attention:
-            if self.router_in is None or self.router_in.shape[0] != xn.shape[0]:
-                raise RuntimeError("a pre-attention router needs router_in set by the block")
-            w, sel = self.route(self.router_in)
-            self.router_in = None
-        else:
-            w, sel = self.route(xn)
+        w, sel = self.route(self._router_input(xn))
         T = xn.shape[0]
         out = torch.zeros(T, xn.shape[1], dtype=torch.float32)
         if T == 1:  # decode: the same sums in the same (ascending expert) order, less Python per step
@@ -253,12 +256,13 @@ PRE_ATTENTION_ROUTER = ("smallthinker",)  # architectures whose router reads the
 ACTIVATIONS = {"llama": "silu", "qwen3moe": "silu", "smallthinker": "relu"}  # the experts' activation (llama.cpp)
 
 
-def experts_builder(g: GGUFFile, a: ModelArgs, pre_attention: bool = False):
+def experts_builder(g: GGUFFile, a: ModelArgs, pre_attention: bool = False, sparse: bool = True):
     """The FFN builder for ``g`` when it is a mixture-of-experts file (its counts and every layer's
     shapes checked now, before anything is loaded), else None. Same arguments as
     :func:`~.model.build_ffn`. ``pre_attention``: the caller's block sets each FFN's ``router_in`` to the
     layer input (:class:`~.smallthinker.SmallThinkerTransformer`); a file that needs that is refused
-    without it."""
+    without it. ``sparse``: ReLU experts compute only their fired neurons' rows where the kernels take
+    them (:mod:`.sparse_experts`; False: every row, ``--dense``)."""
     if not is_moe(g) and not getattr(a.family, "experts", False):
         return None
     if a.sparse:
@@ -273,6 +277,10 @@ def experts_builder(g: GGUFFile, a: ModelArgs, pre_attention: bool = False):
     ea = expert_args(g, a)
 
     def build(g: GGUFFile, i: int, a: ModelArgs, dtype: torch.dtype, dense: bool, mapped: bool = False):
+        from . import sparse_experts  # ReLU experts: only the fired neurons' rows (dense: every row)
+
+        if sparse and sparse_experts.takes(g, i, a, ea, dtype, mapped):
+            return sparse_experts.build(g, i, a, ea, dtype, pre_attention)
         p = f"blk.{i}."
         router = load_tensor(g, p + "ffn_gate_inp.weight", dtype)
         parts = [load_experts(g, f"{p}ffn_{k}_exps.weight", dtype, mapped) for k in ("gate", "up", "down")]

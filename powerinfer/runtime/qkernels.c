@@ -243,6 +243,9 @@ static void quantize_q8K(const float *x, int64_t K, int8_t *qs, float *d, int32_
         }
     }
 }
+/* quantize_q8 for the other sources (sparse_experts.c rounds an expert's hidden vector as the dense
+ * down product would) */
+void pi_quantize_q8(const float *x, int64_t K, int8_t *qs, float *d) { quantize_q8(x, K, qs, d); }
 
 /* ------------------------------------------------------------------ one row . x */
 static inline float dot_q4_0(const uint8_t *row, const int8_t *xq, const float *xd, int64_t nb) {

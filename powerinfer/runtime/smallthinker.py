@@ -49,7 +49,7 @@ class SmallThinkerTransformer(Transformer):
                  n_ctx: int | None = None, cache_type_k=None, cache_type_v=None, ffn_builder=None):
         a = ModelArgs.from_gguf(g)
         self.rules = layer_rules(g, a)
-        builder = experts_builder(g, a, pre_attention=True)  # counts and shapes checked before any load
+        builder = experts_builder(g, a, pre_attention=True, sparse=not dense)  # counts and shapes checked before any load
         super().__init__(g, dtype, dense, n_ctx, ffn_builder=ffn_builder or builder, cache_type_k=cache_type_k,
                          cache_type_v=cache_type_v)
         self._layer_args = [dataclasses.replace(self.args, sliding_window=w) for _, w in self.rules]
