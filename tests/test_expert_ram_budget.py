@@ -48,7 +48,9 @@ def _file(name: str, tmp_path) -> str:
 
 
 def _reference(path: str, n: int = 8):
-    model, tok = load_model(path, "f32", n_ctx=N_CTX)
+    """The unlimited run with every routed expert computed whole (``dense``: what a budgeted run computes;
+    sparse ReLU experts, the default, sum the same products in another order)."""
+    model, tok = load_model(path, "f32", dense=True, n_ctx=N_CTX)
     ids = torch.tensor(tok.encode(PROMPT))
     return ids, _run(model, ids, n)
 
