@@ -368,6 +368,30 @@ def test_profiling_an_moe_model_is_refused_in_one_line(tmp_path):
         open_session(d, "pi-profile")
 
 
+@pytest.mark.parametrize("tool", ["pi-profile", "pi-convert --sparsity"])
+def test_input_sparsity_from_an_moe_folder_is_refused_before_any_work(tmp_path, tool):
+    """A SiLU MoE folder goes to the input-histogram path of pi-profile and to pi-convert --sparsity:
+    both refuse it in one line naming config.json, before converting or writing anything (pi-profile
+    used to raise transformers' AttributeError on the MoE block; pi-convert converted the whole model
+    to a temporary file first and then named that file)."""
+    from powerinfer.convert.cli import main as convert_main
+    from powerinfer.profile.cli import main as profile_main
+
+    d = MOE_BUILDERS["mixtral"](tmp_path / "hf")
+    text = str(DATA / "text" / "tinystories_val.txt")
+    out = tmp_path / "out"
+    if tool == "pi-profile":
+        r = CliRunner().invoke(profile_main, [str(d), "--data", text, "--out", str(out)])
+    else:
+        r = CliRunner().invoke(convert_main, [str(d), "--outfile", str(out), "--sparsity", "0.4", "--data", text])
+    assert r.exit_code == 1, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch(
+        rf"Error: {re.escape(str(d / 'config.json'))}: input sparsity \(TEAL\) is not supported for "
+        r"mixture-of-experts models \(mixtral\)", lines[0]), r.output
+    assert not out.exists() and list(tmp_path.iterdir()) == [tmp_path / "hf"]
+
+
 
 # --------------------------------------------------------------------------- SmallThinker
 @pytest.fixture(scope="module")
