@@ -25,7 +25,7 @@ import torch
 from click.testing import CliRunner
 
 from family_models import MOE_BUILDERS, make_smallthinker
-from gguf_edit import BOOL, KV, U32, parse, serialize
+from gguf_edit import BOOL, F32, KV, U32, parse, serialize
 from helpers import DATA, alone, batched, need, teacher_forced
 from powerinfer.convert.writer import convert
 from powerinfer.errors import PowerInferError
@@ -252,6 +252,8 @@ def _set(key: str, vtype: int, value):
     ("qwen3moe", _set("qwen3moe.expert_feed_forward_length", U32, 64), r"the expert width 64"),
     ("qwen3moe", _set("qwen3moe.expert_gating_func", U32, 2),
      r"qwen3moe.expert_gating_func = 2: the qwen3moe gating supported is softmax \(1\)$"),
+    ("qwen3moe", _set("qwen3moe.expert_gating_func", F32, 1.0),  # a float 1.0 equals 1 but is no gating id
+     r"qwen3moe.expert_gating_func = 1.0: the qwen3moe gating supported is softmax \(1\)$"),
     ("qwen3moe", _set("qwen3moe.expert_weights_norm", U32, 1), r"expert_weights_norm = 1 is not a bool"),
 ])
 def test_bad_expert_metadata_is_one_line_before_loading(tmp_path, name, edit, msg):
