@@ -351,6 +351,22 @@ def test_pi_server_np4_serves_moe_requests_as_each_alone(tmp_path):
         s.stop()
 
 
+def test_pi_convert_vram_budget_of_an_moe_folder_is_refused_before_writing(tmp_path):
+    """pi-convert --vram-budget places hot neurons of one FFN per layer from pi-profile's counts, which
+    an MoE folder cannot get: refused in one line naming config.json, no file (it used to write the file
+    and advise pi-profile, which refuses MoE models)."""
+    from powerinfer.convert.cli import main as convert_main
+
+    d = MOE_BUILDERS["mixtral"](tmp_path / "hf")
+    out = tmp_path / "m.gguf"
+    r = CliRunner().invoke(convert_main, [str(d), "--outfile", str(out), "--vram-budget", "1"])
+    assert r.exit_code == 1, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0] == (f"Error: {d / 'config.json'}: --vram-budget does not place "
+                                            "mixture-of-experts models (mixtral) yet: convert without it"), r.output
+    assert not out.exists() and list(tmp_path.iterdir()) == [tmp_path / "hf"]
+
+
 def test_published_qwen3moe_key_num_experts_is_read(tmp_path):
     """Published Qwen3-MoE configs name the expert count ``num_experts`` (transformers 5 saves
     ``num_local_experts``): the same file either way."""
