@@ -467,6 +467,30 @@ def test_smallthinker_refusals_are_one_line(tmp_path):
         load_model(bad, "f32")
 
 
+@pytest.mark.parametrize("edit, msg", [
+    ({"moe_num_active_primary_experts": 9}, "moe_num_active_primary_experts 9 is more than the 4 experts"),
+    ({"moe_num_primary_experts": 0}, r"moe_num_primary_experts = 0 is missing or out of range \(1..4096\)"),
+    ({"moe_primary_router_apply_softmax": "no"}, "moe_primary_router_apply_softmax = 'no' is not a bool"),
+    ({"sliding_window_layout": [0]}, r"sliding_window_layout = \[0\] is not a list of 0/1, one per layer \(3 layers\)"),
+    ({"sliding_window_layout": "abc"}, "sliding_window_layout = 'abc' is not a list of 0/1"),
+    ({"sliding_window_layout": [2, 2, 2]}, r"sliding_window_layout = \[2, 2, 2\] is not a list of 0/1"),
+])
+def test_bad_smallthinker_config_is_one_line_naming_its_key(smallthinker, tmp_path, edit, msg):
+    """SmallThinker's own key names in the messages; a non-bool softmax flag or a layout that is not one
+    0/1 per layer is refused (each was silently read as truthy before)."""
+    import shutil
+
+    d = tmp_path / "hf"
+    shutil.copytree(smallthinker.dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(edit)
+    (d / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "m.gguf"
+    with pytest.raises(PowerInferError, match=f"^{re.escape(str(d / 'config.json'))}: {msg}"):
+        convert(d, out, outtype="f32", progress=False)
+    assert not out.exists()
+
+
 def test_smallthinker_with_predictors_is_refused(smallthinker, tmp_path):
     """SmallThinker is ReLU, but its neurons belong to experts: pi-convert with a predictor folder refuses."""
     with pytest.raises(PowerInferError, match="mixture-of-experts model: predictor"):
