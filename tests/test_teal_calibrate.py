@@ -266,7 +266,7 @@ def test_wina_from_a_folder_without_weighted_histograms(models, tmp_path):
 
 
 @pytest.mark.parametrize("damage, words", [
-    (lambda f: f.write_bytes(b"not a tensor"), "input_hist_1.pt: not a readable histogram file"),
+    (lambda f: f.write_bytes(b"not a tensor"), "input_hist_1.pt: not a readable torch tensor file"),
     (lambda f: torch.save(torch.cat([torch.zeros(1, N_BINS, dtype=torch.int64), torch.load(f, weights_only=True)[1:]]), f),
      "input_hist_1.pt: an input with no counts (qkv)"),
 ])

@@ -30,7 +30,7 @@ import torch
 
 from ..errors import PowerInferError
 from ._atomic import atomic_dir
-from .activation import OWNED, layer_files
+from .activation import OWNED, layer_files, torch_load
 from .teal import KINDS
 
 LO, HI, N_BINS = 1e-6, 1e3, 3072
@@ -116,10 +116,7 @@ def load_hist(folder: str | Path, n_layer: int, criterion: str = "abs") -> torch
                               f"the model has {n_layer}")
     out = []
     for i in range(n_layer):
-        try:
-            h = torch.load(files[i], weights_only=True)
-        except Exception as e:  # torch.load raises pickle's and zipfile's errors, with multi-line messages
-            raise PowerInferError(f"{files[i]}: not a readable histogram file ({str(e).splitlines()[0][:120]})") from None
+        h = torch_load(files[i])  # PowerInferError naming the file when it is not a readable tensor file
         if not isinstance(h, torch.Tensor) or tuple(h.shape) != (len(KINDS), N_BINS) or h.is_floating_point() \
                 or (h < 0).any():
             raise PowerInferError(f"{files[i]}: expected non-negative integer counts [4, {N_BINS}]")
