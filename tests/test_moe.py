@@ -277,6 +277,8 @@ def test_expert_keys_are_read_as_written(tmp_path):
 @pytest.mark.parametrize("edit, msg", [
     ({"num_experts_per_tok": 5}, "num_experts_per_tok 5 is more than the 4 experts"),
     ({"num_local_experts": 0}, r"num_local_experts / num_experts = 0 is missing or out of range"),
+    ({"hidden_act": "relu"}, r"hidden_act 'relu': mixtral's experts are SiLU-gated"),  # written, then refused by pi-run
+    ({"hidden_act": "gelu"}, r"hidden_act 'gelu': mixtral's experts are SiLU-gated"),
 ])
 def test_bad_expert_config_is_refused_by_pi_convert(tmp_path, edit, msg):
     d = MOE_BUILDERS["mixtral"](tmp_path / "hf")
@@ -474,6 +476,7 @@ def test_smallthinker_refusals_are_one_line(tmp_path):
     ({"sliding_window_layout": [0]}, r"sliding_window_layout = \[0\] is not a list of 0/1, one per layer \(3 layers\)"),
     ({"sliding_window_layout": "abc"}, "sliding_window_layout = 'abc' is not a list of 0/1"),
     ({"sliding_window_layout": [2, 2, 2]}, r"sliding_window_layout = \[2, 2, 2\] is not a list of 0/1"),
+    ({"hidden_act": "silu"}, r"hidden_act 'silu': smallthinker's experts are ReLU-gated"),
 ])
 def test_bad_smallthinker_config_is_one_line_naming_its_key(smallthinker, tmp_path, edit, msg):
     """SmallThinker's own key names in the messages; a non-bool softmax flag or a layout that is not one

@@ -42,6 +42,19 @@ def expert_counts(cfg: dict[str, Any], source: str = "config.json", keys: tuple[
     return n, k
 
 
+_ACTS = {"silu": ("SiLU", ("silu", "swish")), "relu": ("ReLU", ("relu",))}  # label, config spellings
+
+
+def require_hidden_act(cfg: dict[str, Any], source: str, family: str, want: str) -> None:
+    """PowerInferError naming ``source`` unless ``hidden_act`` (absent: ``want``) is ``want``, the
+    activation llama.cpp's graph of ``family`` gives its experts (the GGUF has no key for another one)."""
+    label, names = _ACTS[want]
+    act = cfg.get("hidden_act", want)
+    if act not in names:
+        raise PowerInferError(f"{source}: hidden_act {act!r}: {family}'s experts are {label}-gated "
+                              f"(llama.cpp's {family} graph); no other activation is converted")
+
+
 def expert_rules(layer: str, router: str, expert: str, kinds: dict[str, str]) -> tuple[TensorRule, ...]:
     """Rules for one layer's router and experts: ``layer`` the HF layer prefix regex (with ``bid``),
     ``router`` the router's name after it, ``expert`` the experts' prefix after it; ``kinds`` maps each

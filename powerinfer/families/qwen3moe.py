@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import PowerInferError
 from .base import TensorRule, register_family
-from .experts import checkpoint_ffn, expert_counts, expert_kv, expert_rules
+from .experts import checkpoint_ffn, expert_counts, expert_kv, expert_rules, require_hidden_act
 from .qwen import QWEN3, _UNPERMUTED, adapt_qwen_config
 
 _KINDS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
@@ -30,6 +30,7 @@ _L = r"model\.layers\.(?P<bid>\d+)\."
 def _adapt(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     cfg = adapt_qwen_config(cfg, source)
     expert_counts(cfg, source)
+    require_hidden_act(cfg, source, "qwen3moe", "silu")
     if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1) or 1) != 1:
         raise PowerInferError(f"{source}: layers without experts (mlp_only_layers {cfg.get('mlp_only_layers')}, "
                               f"decoder_sparse_step {cfg.get('decoder_sparse_step')}) are not supported: "

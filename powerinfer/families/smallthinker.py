@@ -24,7 +24,7 @@ from typing import Any
 
 from ..errors import PowerInferError
 from .base import Family, TensorRule, hf_dims, register_family
-from .experts import checkpoint_ffn, expert_kv, expert_rules
+from .experts import checkpoint_ffn, expert_kv, expert_rules, require_hidden_act
 from .llama import LLAMA_LAYER
 
 _L = r"model\.layers\.(?P<bid>\d+)\."
@@ -46,10 +46,7 @@ def _adapt(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     from .experts import expert_counts
 
     expert_counts(cfg, source, ("moe_num_primary_experts", "moe_num_active_primary_experts"))
-    act = cfg.get("hidden_act", "relu")
-    if act != "relu":
-        raise PowerInferError(f"{source}: hidden_act {act!r}: SmallThinker's experts are ReLU-gated "
-                              "(llama.cpp's smallthinker graph)")
+    require_hidden_act(cfg, source, "smallthinker", "relu")
     softmax = cfg.get("moe_primary_router_apply_softmax", False)
     if not isinstance(softmax, bool):  # a string "no" would be truthy: softmax
         raise PowerInferError(f"{source}: moe_primary_router_apply_softmax = {softmax!r} is not a bool")
