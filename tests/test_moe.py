@@ -291,12 +291,18 @@ def test_bad_expert_config_is_refused_by_pi_convert(tmp_path, edit, msg):
     assert not out.exists()
 
 
-def test_qwen3moe_dense_layers_are_refused(tmp_path):
+@pytest.mark.parametrize("edit, msg", [
+    ({"mlp_only_layers": [1]}, r"layers without experts \(mlp_only_layers \[1\]"),
+    ({"decoder_sparse_step": 2}, r"layers without experts \(mlp_only_layers \[\], decoder_sparse_step 2\)"),
+    ({"decoder_sparse_step": 0}, r"decoder_sparse_step = 0 is not a positive integer$"),  # transformers' ZeroDivision
+    ({"decoder_sparse_step": 1.5}, r"decoder_sparse_step = 1.5 is not a positive integer$"),  # was read as 1
+])
+def test_qwen3moe_dense_layers_are_refused(tmp_path, edit, msg):
     d = MOE_BUILDERS["qwen3moe"](tmp_path / "hf")
     cfg = json.loads((d / "config.json").read_text())
-    cfg["mlp_only_layers"] = [1]
+    cfg.update(edit)
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(PowerInferError, match=r"config.json: layers without experts \(mlp_only_layers \[1\]"):
+    with pytest.raises(PowerInferError, match=r"config.json: " + msg):
         convert(d, tmp_path / "m.gguf", outtype="f32", progress=False)
 
 

@@ -31,7 +31,10 @@ def _adapt(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     cfg = adapt_qwen_config(cfg, source)
     expert_counts(cfg, source)
     require_hidden_act(cfg, source, "qwen3moe", "silu")
-    if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1) or 1) != 1:
+    step = cfg.get("decoder_sparse_step", 1)
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 1):
+        raise PowerInferError(f"{source}: decoder_sparse_step = {step!r} is not a positive integer")
+    if cfg.get("mlp_only_layers") or (step or 1) != 1:
         raise PowerInferError(f"{source}: layers without experts (mlp_only_layers {cfg.get('mlp_only_layers')}, "
                               f"decoder_sparse_step {cfg.get('decoder_sparse_step')}) are not supported: "
                               "llama.cpp's qwen3moe files have a router in every layer")
