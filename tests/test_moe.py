@@ -25,7 +25,7 @@ import torch
 from click.testing import CliRunner
 
 from family_models import MOE_BUILDERS, make_smallthinker
-from gguf_edit import BOOL, KV, U32, parse, serialize
+from gguf_edit import BOOL, F32, KV, U32, parse, serialize
 from helpers import DATA, alone, batched, need, teacher_forced
 from powerinfer.convert.writer import convert
 from powerinfer.errors import PowerInferError
@@ -252,6 +252,8 @@ def _set(key: str, vtype: int, value):
     ("qwen3moe", _set("qwen3moe.expert_feed_forward_length", U32, 64), r"the expert width 64"),
     ("qwen3moe", _set("qwen3moe.expert_gating_func", U32, 2),
      r"qwen3moe.expert_gating_func = 2: the qwen3moe gating supported is softmax \(1\)$"),
+    ("qwen3moe", _set("qwen3moe.expert_gating_func", F32, 1.0),  # a float 1.0 equals 1 but is no gating id
+     r"qwen3moe.expert_gating_func = 1.0: the qwen3moe gating supported is softmax \(1\)$"),
     ("qwen3moe", _set("qwen3moe.expert_weights_norm", U32, 1), r"expert_weights_norm = 1 is not a bool"),
 ])
 def test_bad_expert_metadata_is_one_line_before_loading(tmp_path, name, edit, msg):
@@ -275,6 +277,8 @@ def test_expert_keys_are_read_as_written(tmp_path):
 @pytest.mark.parametrize("edit, msg", [
     ({"num_experts_per_tok": 5}, "num_experts_per_tok 5 is more than the 4 experts"),
     ({"num_local_experts": 0}, r"num_local_experts / num_experts = 0 is missing or out of range"),
+    ({"hidden_act": "relu"}, r"hidden_act 'relu': mixtral's experts are SiLU-gated"),  # written, then refused by pi-run
+    ({"hidden_act": "gelu"}, r"hidden_act 'gelu': mixtral's experts are SiLU-gated"),
 ])
 def test_bad_expert_config_is_refused_by_pi_convert(tmp_path, edit, msg):
     d = MOE_BUILDERS["mixtral"](tmp_path / "hf")
@@ -287,12 +291,18 @@ def test_bad_expert_config_is_refused_by_pi_convert(tmp_path, edit, msg):
     assert not out.exists()
 
 
-def test_qwen3moe_dense_layers_are_refused(tmp_path):
+@pytest.mark.parametrize("edit, msg", [
+    ({"mlp_only_layers": [1]}, r"layers without experts \(mlp_only_layers \[1\]"),
+    ({"decoder_sparse_step": 2}, r"layers without experts \(mlp_only_layers \[\], decoder_sparse_step 2\)"),
+    ({"decoder_sparse_step": 0}, r"decoder_sparse_step = 0 is not a positive integer$"),  # transformers' ZeroDivision
+    ({"decoder_sparse_step": 1.5}, r"decoder_sparse_step = 1.5 is not a positive integer$"),  # was read as 1
+])
+def test_qwen3moe_dense_layers_are_refused(tmp_path, edit, msg):
     d = MOE_BUILDERS["qwen3moe"](tmp_path / "hf")
     cfg = json.loads((d / "config.json").read_text())
-    cfg["mlp_only_layers"] = [1]
+    cfg.update(edit)
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(PowerInferError, match=r"config.json: layers without experts \(mlp_only_layers \[1\]"):
+    with pytest.raises(PowerInferError, match=r"config.json: " + msg):
         convert(d, tmp_path / "m.gguf", outtype="f32", progress=False)
 
 
@@ -348,6 +358,22 @@ def test_pi_server_np4_serves_moe_requests_as_each_alone(tmp_path):
         s.stop()
 
 
+def test_pi_convert_vram_budget_of_an_moe_folder_is_refused_before_writing(tmp_path):
+    """pi-convert --vram-budget places hot neurons of one FFN per layer from pi-profile's counts, which
+    an MoE folder cannot get: refused in one line naming config.json, no file (it used to write the file
+    and advise pi-profile, which refuses MoE models)."""
+    from powerinfer.convert.cli import main as convert_main
+
+    d = MOE_BUILDERS["mixtral"](tmp_path / "hf")
+    out = tmp_path / "m.gguf"
+    r = CliRunner().invoke(convert_main, [str(d), "--outfile", str(out), "--vram-budget", "1"])
+    assert r.exit_code == 1, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0] == (f"Error: {d / 'config.json'}: --vram-budget does not place "
+                                            "mixture-of-experts models (mixtral) yet: convert without it"), r.output
+    assert not out.exists() and list(tmp_path.iterdir()) == [tmp_path / "hf"]
+
+
 def test_published_qwen3moe_key_num_experts_is_read(tmp_path):
     """Published Qwen3-MoE configs name the expert count ``num_experts`` (transformers 5 saves
     ``num_local_experts``): the same file either way."""
@@ -365,6 +391,30 @@ def test_profiling_an_moe_model_is_refused_in_one_line(tmp_path):
     d = MOE_BUILDERS["mixtral"](tmp_path / "hf")
     with pytest.raises(PowerInferError, match=r"config.json: pi-profile does not support mixture-of-experts models"):
         open_session(d, "pi-profile")
+
+
+@pytest.mark.parametrize("tool", ["pi-profile", "pi-convert --sparsity"])
+def test_input_sparsity_from_an_moe_folder_is_refused_before_any_work(tmp_path, tool):
+    """A SiLU MoE folder goes to the input-histogram path of pi-profile and to pi-convert --sparsity:
+    both refuse it in one line naming config.json, before converting or writing anything (pi-profile
+    used to raise transformers' AttributeError on the MoE block; pi-convert converted the whole model
+    to a temporary file first and then named that file)."""
+    from powerinfer.convert.cli import main as convert_main
+    from powerinfer.profile.cli import main as profile_main
+
+    d = MOE_BUILDERS["mixtral"](tmp_path / "hf")
+    text = str(DATA / "text" / "tinystories_val.txt")
+    out = tmp_path / "out"
+    if tool == "pi-profile":
+        r = CliRunner().invoke(profile_main, [str(d), "--data", text, "--out", str(out)])
+    else:
+        r = CliRunner().invoke(convert_main, [str(d), "--outfile", str(out), "--sparsity", "0.4", "--data", text])
+    assert r.exit_code == 1, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch(
+        rf"Error: {re.escape(str(d / 'config.json'))}: input sparsity \(TEAL\) is not supported for "
+        r"mixture-of-experts models \(mixtral\)", lines[0]), r.output
+    assert not out.exists() and list(tmp_path.iterdir()) == [tmp_path / "hf"]
 
 
 
@@ -422,6 +472,31 @@ def test_smallthinker_refusals_are_one_line(tmp_path):
     bad = _edited(tmp_path, "smallthinker", _set("smallthinker.attention.sliding_window_pattern", U32, 2))
     with pytest.raises(PowerInferError, match="sliding_window_pattern is not supported"):
         load_model(bad, "f32")
+
+
+@pytest.mark.parametrize("edit, msg", [
+    ({"moe_num_active_primary_experts": 9}, "moe_num_active_primary_experts 9 is more than the 4 experts"),
+    ({"moe_num_primary_experts": 0}, r"moe_num_primary_experts = 0 is missing or out of range \(1..4096\)"),
+    ({"moe_primary_router_apply_softmax": "no"}, "moe_primary_router_apply_softmax = 'no' is not a bool"),
+    ({"sliding_window_layout": [0]}, r"sliding_window_layout = \[0\] is not a list of 0/1, one per layer \(3 layers\)"),
+    ({"sliding_window_layout": "abc"}, "sliding_window_layout = 'abc' is not a list of 0/1"),
+    ({"sliding_window_layout": [2, 2, 2]}, r"sliding_window_layout = \[2, 2, 2\] is not a list of 0/1"),
+    ({"hidden_act": "silu"}, r"hidden_act 'silu': smallthinker's experts are ReLU-gated"),
+])
+def test_bad_smallthinker_config_is_one_line_naming_its_key(smallthinker, tmp_path, edit, msg):
+    """SmallThinker's own key names in the messages; a non-bool softmax flag or a layout that is not one
+    0/1 per layer is refused (each was silently read as truthy before)."""
+    import shutil
+
+    d = tmp_path / "hf"
+    shutil.copytree(smallthinker.dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(edit)
+    (d / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "m.gguf"
+    with pytest.raises(PowerInferError, match=f"^{re.escape(str(d / 'config.json'))}: {msg}"):
+        convert(d, out, outtype="f32", progress=False)
+    assert not out.exists()
 
 
 def test_smallthinker_with_predictors_is_refused(smallthinker, tmp_path):

@@ -10,6 +10,7 @@ the tiny random Llama 3.1 / Qwen3 of ``family_models.MODERN_BUILDERS`` (GQA, lla
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -262,6 +263,24 @@ def test_wina_from_a_folder_without_weighted_histograms(models, tmp_path):
     _fails(sparsify_main, [dense, tmp_path / "o.gguf", "--sparsity", S, "--activation", tmp_path / "act",
                            "--method", "wina"], "no WINA histograms")
     assert not (tmp_path / "o.gguf").exists()
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda f: f.write_bytes(b"not a tensor"), "input_hist_1.pt: not a readable torch tensor file"),
+    (lambda f: torch.save(torch.cat([torch.zeros(1, N_BINS, dtype=torch.int64), torch.load(f, weights_only=True)[1:]]), f),
+     "input_hist_1.pt: an input with no counts (qkv)"),
+])
+def test_damaged_histogram_file_is_one_line(tmp_path, damage, words):
+    """A histogram file that is not a tensor (torch.load's traceback before) or holds an input with no
+    counts (every threshold 0, the input silently dense): one line naming the file, no output."""
+    from powerinfer.formats.input_hist import save_hist
+
+    hist = torch.randint(1, 9, (3, len(KINDS), N_BINS), generator=torch.Generator().manual_seed(0))
+    save_hist(tmp_path / "act", hist, 300, "synthetic")
+    assert torch.equal(load_hist(tmp_path / "act", 3), hist)
+    damage(tmp_path / "act" / "input_hist_1.pt")
+    with pytest.raises(PowerInferError, match="^" + re.escape(f"{tmp_path / 'act'}/{words}")):
+        load_hist(tmp_path / "act", 3)
 
 
 @pytest.mark.parametrize("outtype", ["q4_0", "q8_0", "f16"])

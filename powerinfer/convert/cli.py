@@ -77,6 +77,8 @@ def main(model_dir, pred_dir, outfile, outtype, predictor_type, sparse_threshold
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     act_dir = Path(activation_dir) if activation_dir else Path(model_dir) / "activation"
+    if vram_budget is not None:
+        _refuse_placement_of_experts(model_dir)
     if vram_budget is not None and pred_dir is None and not dense and not act_dir.is_dir():
         _refuse_placement_without_counts(model_dir, act_dir)
     before_write = None
@@ -99,6 +101,17 @@ def main(model_dir, pred_dir, outfile, outtype, predictor_type, sparse_threshold
         plan = ensure_gpu_index(out, vram_budget, act_dir, reset=True)
         if plan is not None:
             click.echo(f"wrote {plan.path}: {plan.summary}")
+
+
+def _refuse_placement_of_experts(model_dir: str) -> None:
+    """``--vram-budget`` places the hot neurons of one FFN per layer; a mixture-of-experts checkpoint has
+    no such counts (pi-profile refuses it): PowerInferError naming its config.json before anything is written."""
+    from ..hf import resolve_model
+
+    family = resolve_model(model_dir)[0]
+    if family.experts:
+        raise PowerInferError(f"{Path(model_dir) / 'config.json'}: --vram-budget does not place mixture-of-experts "
+                              f"models ({family.name}) yet: convert without it")
 
 
 def _refuse_placement_without_counts(model_dir: str, act_dir: Path) -> None:

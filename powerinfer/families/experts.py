@@ -24,17 +24,35 @@ from .base import TensorRule
 MAX_EXPERTS = 1 << 12
 
 
-def expert_counts(cfg: dict[str, Any], source: str = "config.json") -> tuple[int, int]:
+COUNT_KEYS = ("num_local_experts / num_experts", "num_experts_per_tok")  # as the messages name them
+
+
+def expert_counts(cfg: dict[str, Any], source: str = "config.json", keys: tuple[str, str] = COUNT_KEYS
+                  ) -> tuple[int, int]:
     """``(n_expert, n_expert_used)`` of an MoE config; PowerInferError naming ``source`` when they
-    are missing, not positive integers, or ``n_expert_used > n_expert``."""
+    are missing, not positive integers, or ``n_expert_used > n_expert``. ``keys``: the config's own
+    names of the two counts, for the messages (a family that maps its keys onto ours)."""
     n = cfg.get("num_local_experts", cfg.get("num_experts"))
     k = cfg.get("num_experts_per_tok")
-    for key, v in (("num_local_experts / num_experts", n), ("num_experts_per_tok", k)):
+    for key, v in zip(keys, (n, k)):
         if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= MAX_EXPERTS:
             raise PowerInferError(f"{source}: {key} = {v!r} is missing or out of range (1..{MAX_EXPERTS})")
     if k > n:
-        raise PowerInferError(f"{source}: num_experts_per_tok {k} is more than the {n} experts")
+        raise PowerInferError(f"{source}: {keys[1]} {k} is more than the {n} experts")
     return n, k
+
+
+_ACTS = {"silu": ("SiLU", ("silu", "swish")), "relu": ("ReLU", ("relu",))}  # label, config spellings
+
+
+def require_hidden_act(cfg: dict[str, Any], source: str, family: str, want: str) -> None:
+    """PowerInferError naming ``source`` unless ``hidden_act`` (absent: ``want``) is ``want``, the
+    activation llama.cpp's graph of ``family`` gives its experts (the GGUF has no key for another one)."""
+    label, names = _ACTS[want]
+    act = cfg.get("hidden_act", want)
+    if act not in names:
+        raise PowerInferError(f"{source}: hidden_act {act!r}: {family}'s experts are {label}-gated "
+                              f"(llama.cpp's {family} graph); no other activation is converted")
 
 
 def expert_rules(layer: str, router: str, expert: str, kinds: dict[str, str]) -> tuple[TensorRule, ...]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import register_family
-from .experts import checkpoint_ffn, expert_counts, expert_kv, expert_rules
+from .experts import checkpoint_ffn, expert_counts, expert_kv, expert_rules, require_hidden_act
 from .llama import LLAMA_RULES
 from .mistral import MISTRAL, _mistral_kv
 
@@ -23,6 +23,7 @@ _ROUTER, _EXPERT = "block_sparse_moe.gate", "block_sparse_moe.experts"
 
 def _adapt(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     expert_counts(cfg, source)
+    require_hidden_act(cfg, source, "mixtral", "silu")
     return cfg
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import PowerInferError
 from .base import TensorRule, register_family
-from .experts import checkpoint_ffn, expert_counts, expert_kv, expert_rules
+from .experts import checkpoint_ffn, expert_counts, expert_kv, expert_rules, require_hidden_act
 from .qwen import QWEN3, _UNPERMUTED, adapt_qwen_config
 
 _KINDS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
@@ -30,7 +30,11 @@ _L = r"model\.layers\.(?P<bid>\d+)\."
 def _adapt(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     cfg = adapt_qwen_config(cfg, source)
     expert_counts(cfg, source)
-    if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1) or 1) != 1:
+    require_hidden_act(cfg, source, "qwen3moe", "silu")
+    step = cfg.get("decoder_sparse_step", 1)
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 1):
+        raise PowerInferError(f"{source}: decoder_sparse_step = {step!r} is not a positive integer")
+    if cfg.get("mlp_only_layers") or (step or 1) != 1:
         raise PowerInferError(f"{source}: layers without experts (mlp_only_layers {cfg.get('mlp_only_layers')}, "
                               f"decoder_sparse_step {cfg.get('decoder_sparse_step')}) are not supported: "
                               "llama.cpp's qwen3moe files have a router in every layer")

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..errors import PowerInferError
 from .base import Family, TensorRule, hf_dims, register_family
-from .experts import checkpoint_ffn, expert_kv, expert_rules
+from .experts import checkpoint_ffn, expert_kv, expert_rules, require_hidden_act
 from .llama import LLAMA_LAYER
 
 _L = r"model\.layers\.(?P<bid>\d+)\."
@@ -45,11 +45,16 @@ def _adapt(cfg: dict[str, Any], source: str) -> dict[str, Any]:
         cfg[ours] = cfg[theirs]
     from .experts import expert_counts
 
-    expert_counts(cfg, source)
-    act = cfg.get("hidden_act", "relu")
-    if act != "relu":
-        raise PowerInferError(f"{source}: hidden_act {act!r}: SmallThinker's experts are ReLU-gated "
-                              "(llama.cpp's smallthinker graph)")
+    expert_counts(cfg, source, ("moe_num_primary_experts", "moe_num_active_primary_experts"))
+    require_hidden_act(cfg, source, "smallthinker", "relu")
+    softmax = cfg.get("moe_primary_router_apply_softmax", False)
+    if not isinstance(softmax, bool):  # a string "no" would be truthy: softmax
+        raise PowerInferError(f"{source}: moe_primary_router_apply_softmax = {softmax!r} is not a bool")
+    layout, n_layer = cfg.get("sliding_window_layout"), cfg.get("num_hidden_layers")
+    if layout is not None and (not isinstance(layout, list) or len(layout) != n_layer
+                               or any(v not in (0, 1) or isinstance(v, float) for v in layout)):
+        raise PowerInferError(f"{source}: sliding_window_layout = {layout!r:.80} is not a list of 0/1, one per "
+                              f"layer ({n_layer} layers)")
     if any(cfg.get("sliding_window_layout") or []) and not cfg.get("sliding_window_size"):
         raise PowerInferError(f"{source}: sliding_window_layout has sliding layers but no sliding_window_size")
     return cfg

@@ -30,7 +30,7 @@ import torch
 
 from ..errors import PowerInferError
 from ._atomic import atomic_dir
-from .activation import OWNED, layer_files
+from .activation import OWNED, layer_files, torch_load
 from .teal import KINDS
 
 LO, HI, N_BINS = 1e-6, 1e3, 3072
@@ -116,9 +116,12 @@ def load_hist(folder: str | Path, n_layer: int, criterion: str = "abs") -> torch
                               f"the model has {n_layer}")
     out = []
     for i in range(n_layer):
-        h = torch.load(files[i], weights_only=True)
+        h = torch_load(files[i])  # PowerInferError naming the file when it is not a readable tensor file
         if not isinstance(h, torch.Tensor) or tuple(h.shape) != (len(KINDS), N_BINS) or h.is_floating_point() \
                 or (h < 0).any():
             raise PowerInferError(f"{files[i]}: expected non-negative integer counts [4, {N_BINS}]")
+        empty = [k for k, row in zip(KINDS, h) if not bool(row.any())]
+        if empty:  # a calibration counts every entry of every input: its thresholds would all be 0 (dense)
+            raise PowerInferError(f"{files[i]}: an input with no counts ({', '.join(empty)}); recalibrate")
         out.append(h.to(torch.int64))
     return torch.stack(out)

@@ -56,11 +56,14 @@ def is_input_sparse_model(model: str | Path) -> bool:
 
 def check_hf_family(model_dir: Path):
     """``(family, config dict, activation)`` of a gated SiLU/GELU model with sequential RoPE blocks and the
-    Llama module names; PowerInferError naming ``config.json`` otherwise."""
+    Llama module names, not a mixture of experts; PowerInferError naming ``config.json`` otherwise."""
     from ..hf import resolve_model
 
     fam, cfg, act = resolve_model(model_dir)
     src = model_dir / "config.json"
+    if fam.experts:  # the hooks read one FFN's gate/up/down per layer; a GGUF of experts is refused likewise
+        raise PowerInferError(f"{src}: input sparsity (TEAL) is not supported for mixture-of-experts models "
+                              f"({fam.name})")
     if not fam.gated or fam.ffn != "reglu" or act.kind not in DENSE_ACTS:
         raise PowerInferError(f"{src}: input sparsity needs a SiLU/GELU-gated FFN; this {fam.name} model's FFN is "
                               f"{'gated ' if fam.gated else 'not gated, '}{act.kind}")

@@ -93,7 +93,7 @@ def expert_args(g: GGUFFile, a: ModelArgs) -> ExpertArgs:
     f = _int_key(g, f"{arch}.expert_feed_forward_length", fallback)
     gating = g.get(f"{arch}.expert_gating_func", 1)
     allowed = {k: v for k, v in GATING.items() if k == 1 or arch in SIGMOID_ARCHS}
-    if isinstance(gating, bool) or gating not in allowed:
+    if isinstance(gating, bool) or not isinstance(gating, int) or gating not in allowed:  # 1.0 == 1: no float
         raise PowerInferError(f"{g.path}: {arch}.expert_gating_func = {gating!r}: the {arch} gating supported is "
                               + " or ".join(f"{v} ({k})" for k, v in allowed.items()))
     norm_w = g.get(f"{arch}.expert_weights_norm", True)
