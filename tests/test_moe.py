@@ -66,7 +66,9 @@ def fam(request, tmp_path_factory):
     return SimpleNamespace(name=name, dir=d, ref=ref, tmp=tmp,
                            f32=convert(d, tmp / "m.gguf", outtype="f32", progress=False),
                            q4=convert(d, tmp / "m-q4_0.gguf", outtype="q4_0", progress=False),
-                           q8=convert(d, tmp / "m-q8_0.gguf", outtype="q8_0", progress=False))
+                           q8=convert(d, tmp / "m-q8_0.gguf", outtype="q8_0", progress=False),
+                           f16=convert(d, tmp / "m-f16.gguf", outtype="f16", progress=False),
+                           bf16=convert(d, tmp / "m-bf16.gguf", outtype="bf16", progress=False))
 
 
 # --------------------------------------------------------------------------- Hugging Face -> ours
@@ -133,11 +135,13 @@ def test_batched_decode_equals_each_sequence_alone(fam, which):
     assert dec._dense_shared(model.layers[0]) == (which != "f32")
 
 
-@pytest.mark.parametrize("which", ["q4", "q8"])
-def test_quantized_experts_equal_dequantized_reference(fam, which):
-    """One layer's MoE output on 5 tokens, computed on the Q4_0/Q8_0 bytes, equals the same routing
-    over experts dequantized by gguf (activations rounded to 8 bits as the kernels round them)."""
+@pytest.mark.parametrize("which, btype", [("q4", "Q4_0"), ("q8", "Q8_0"), ("f16", "F16"), ("bf16", "BF16")])
+def test_quantized_experts_equal_dequantized_reference(fam, which, btype):
+    """One layer's MoE output on 5 tokens, computed on the Q4_0/Q8_0/F16/BF16 bytes (f32 compute), equals
+    the same routing over experts dequantized by gguf (activations rounded to 8 bits as the kernels
+    round them for Q4_0/Q8_0)."""
     ffn = Transformer(open_gguf(getattr(fam, which))).layers[1].ffn
+    assert {w.btype.name for w in (*ffn.gate, *ffn.up, *ffn.down)} == {btype}
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
     got = ffn(x, x)
     w, sel = ffn.route(x)
@@ -246,13 +250,20 @@ def _set(key: str, vtype: int, value):
      r"mixture-of-experts tensors but no llama.expert_used_count"),
     ("mixtral", _set("llama.feed_forward_length", U32, 96), r"ffn_gate_exps.weight' has shape \[4, 64, 64\], .*width 96"),
     ("qwen3moe", _set("qwen3moe.expert_feed_forward_length", U32, 64), r"the expert width 64"),
-    ("qwen3moe", _set("qwen3moe.expert_gating_func", U32, 2), r"qwen3moe.expert_gating_func = 2: only softmax"),
+    ("qwen3moe", _set("qwen3moe.expert_gating_func", U32, 2),
+     r"qwen3moe.expert_gating_func = 2: the qwen3moe gating supported is softmax \(1\)$"),
     ("qwen3moe", _set("qwen3moe.expert_weights_norm", U32, 1), r"expert_weights_norm = 1 is not a bool"),
 ])
 def test_bad_expert_metadata_is_one_line_before_loading(tmp_path, name, edit, msg):
     p = _edited(tmp_path, name, edit)
     with pytest.raises(PowerInferError, match=f"^{re.escape(p)}: .*{msg}"):
         Transformer(open_gguf(p))
+
+
+def test_smallthinker_gating_outside_softmax_and_sigmoid_is_refused(tmp_path):
+    p = _edited(tmp_path, "smallthinker", _set("smallthinker.expert_gating_func", U32, 4))
+    with pytest.raises(PowerInferError, match=r"= 4: the smallthinker gating supported is softmax \(1\) or sigmoid \(2\)$"):
+        load_model(p, "f32")
 
 
 def test_expert_keys_are_read_as_written(tmp_path):
@@ -418,3 +429,13 @@ def test_smallthinker_with_predictors_is_refused(smallthinker, tmp_path):
     """SmallThinker is ReLU, but its neurons belong to experts: pi-convert with a predictor folder refuses."""
     with pytest.raises(PowerInferError, match="mixture-of-experts model: predictor"):
         convert(smallthinker.dir, tmp_path / "m.gguf", tmp_path / "no-predictors", progress=False)
+
+
+def test_pi_run_names_the_experts():
+    """pi-run's summary says the FFN runs k of E experts (not "dense")."""
+    from powerinfer.runtime.cli import main as run_main
+
+    r = CliRunner().invoke(run_main, ["-m", str(need(LLAMACPP / "qwen3moe.gguf")), "-p", "Once upon a time", "-n", "4",
+                                      "--temp", "0", "--dtype", "f32"])
+    assert r.exit_code == 0, r.output
+    assert "(qwen3moe, experts 3 of 8, float32," in r.output

@@ -112,11 +112,11 @@ def _kv_types(model: "Transformer") -> str:
 def bench_report(model: "Transformer", st: "GenStats", path: str) -> str:
     """The ``--bench`` summary: speed, where decode time goes, sparsity, bytes per token."""
     from . import kernels
-    from .generate import decode_bytes_per_token
+    from .generate import decode_bytes_per_token, ffn_mode
 
     from .weights import weight_type
 
-    mode = "dense" if model.dense else "sparse"
+    mode = ffn_mode(model)
     ffn = model.layers[0].ffn
     ws = (model.layers[0].wqkv, getattr(ffn, "up", None), getattr(ffn, "fc1", None))  # a HybridFFN has neither
     types = dict.fromkeys(weight_type(w) for w in ws if w is not None)
@@ -308,8 +308,9 @@ def main(model_path, prompt, prompt_file, n_predict, ctx_size, temp, top_k, top_
 def print_timings(model, model_path: str, st, n_predict: int, interrupted: bool = False) -> None:
     """pi-run's summary on stderr: the model, prompt and generation counts and times, FFN shares."""
     from . import kernels
+    from .generate import ffn_mode
 
-    mode = "dense" if model.dense else "sparse"
+    mode = ffn_mode(model)
     err = sys.stderr
     if interrupted:
         err.write(f"note: interrupted (Ctrl-C) after {plural(st.n_gen, 'token')}\n")

@@ -122,6 +122,12 @@ def count_fired(model: Transformer, on: bool = True) -> None:
             layer.ffn.count_fired = on
 
 
+def ffn_mode(model: Transformer) -> str:
+    """How the model's FFNs run, for the front ends' banners: ``dense``, ``sparse`` (predictors) or, for a
+    mixture of experts, ``experts k of E`` (:attr:`.moe.ExpertsFFN.mode`)."""
+    return getattr(model.layers[0].ffn, "mode", None) or ("dense" if model.dense else "sparse")
+
+
 def ffn_counters(model: Transformer) -> tuple[float, float, int, int, int]:
     """``(t_ffn, t_predict, n_active, n_calls, n_fired)`` summed over the model's FFNs."""
     ffns = [layer.ffn for layer in model.layers]

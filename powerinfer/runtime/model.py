@@ -20,7 +20,7 @@ which pieces it has (upstream PowerInfer's ``build_llama_variants``,
   the FFN norm (sequential) or the layer input (parallel);
 * output: ``output.weight``, or the token embedding when tied (OPT);
 * FFN: :mod:`.ffn`'s dense or predictor-sparse one, or a mixture of experts (:mod:`.moe`: Mixtral,
-  Qwen3-MoE), chosen from the file.
+  Qwen3-MoE; SmallThinker's layers in :mod:`.smallthinker`), chosen from the file.
 
 Shapes: ``T`` tokens in this call, ``P`` the position of the first of them,
 ``D = n_embd``, ``F = n_ff``, ``Hq/Hkv`` heads, ``d`` head dim (``{arch}.attention.key_length``

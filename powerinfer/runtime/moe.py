@@ -92,10 +92,10 @@ def expert_args(g: GGUFFile, a: ModelArgs) -> ExpertArgs:
     fallback = a.n_ff // k if arch == "qwen3moe" else a.n_ff  # llama.cpp's n_ff_exp when the key is absent
     f = _int_key(g, f"{arch}.expert_feed_forward_length", fallback)
     gating = g.get(f"{arch}.expert_gating_func", 1)
-    if GATING.get(gating) is None or (gating != 1 and arch not in SIGMOID_ARCHS):
-        raise PowerInferError(f"{g.path}: {arch}.expert_gating_func = {gating!r}: only softmax gating (1)"
-                              f"{', or sigmoid (2) for ' + '/'.join(SIGMOID_ARCHS) if arch not in SIGMOID_ARCHS else ''}"
-                              " is supported")
+    allowed = {k: v for k, v in GATING.items() if k == 1 or arch in SIGMOID_ARCHS}
+    if isinstance(gating, bool) or gating not in allowed:
+        raise PowerInferError(f"{g.path}: {arch}.expert_gating_func = {gating!r}: the {arch} gating supported is "
+                              + " or ".join(f"{v} ({k})" for k, v in allowed.items()))
     norm_w = g.get(f"{arch}.expert_weights_norm", True)
     scale = g.get(f"{arch}.expert_weights_scale", 0.0)
     if not isinstance(norm_w, bool):
@@ -170,6 +170,10 @@ class ExpertsFFN:
         """True when a batch of tokens may share one pass bit for bit with each token alone (every
         expert matrix a QWeight, whose kernels compute each token by itself)."""
         return all(isinstance(w, QWeight) and w.layout in ("rows", "x8") for w in (*self.gate, *self.up, *self.down))
+
+    @property
+    def mode(self) -> str:
+        return f"experts {self.ea.n_used} of {self.ea.n_expert}"
 
     def reset_stats(self) -> None:
         self.n_active = self.n_calls = 0

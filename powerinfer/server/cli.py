@@ -126,7 +126,9 @@ def main(model_path, host, port, ctx_size, n_parallel, ubatch, ffn_batch, metric
     state = ServerState(engine, model_path, alias, api_key, MAX_BODY_BYTES, template, metrics=metrics,
                         reasoning_format=reasoning_format)
     app = create_app(state)
-    mode = "dense" if model.dense else "sparse"
+    from ..runtime.generate import ffn_mode
+
+    mode = ffn_mode(model)
     click.echo(f"pi-server: {state.model_id} ({model.args.family.name}, {mode}, n_ctx {model.n_ctx}"
                f"{f' = {n_parallel} slots x {engine.n_ctx}' if n_parallel > 1 else ''}"
                f"{', ChatML (no template in the file)' if template.is_default else ', chat template from the file'})",
