@@ -21,9 +21,6 @@ Both engines read the same file.
    makes it: 1 / (the unlimited run's time per token + max(requests / 500K, bytes / 3 GB/s)).
    The disk's own rates come from an O_DIRECT probe (``bench_ram_budget.disk_probe``).
 
-``--cpu-time`` instead measures decode tokens per CPU-second at 1 thread for both engines on every file
-(``bench_llama3.cpu_time_table``), which other busy processes on the machine barely change.
-
 A runtime that cannot load a file (the one-line refusal of a family it does not know) is reported as
 "not loadable: <its line>", and its later runs on that file are skipped. Raw results go to
 ``--json`` (default ``DIR/bench-moe-<UTC>.json``). Needs root and the cgroup v1 memory controller
@@ -47,7 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_ram_budget as rb  # noqa: E402
-from bench_llama3 import AVX2_ENV, LlamaBench, PiRun, Result, cpu_time_table, load_avg1  # noqa: E402
+from bench_llama3 import AVX2_ENV, LlamaBench, PiRun, Result, load_avg1  # noqa: E402
 
 SHAPES = ("smallthinker-21b", "qwen3-30b-a3b")
 TEXT_ARGS = ["--temp", "0", "--ignore-eos"]
@@ -274,9 +271,6 @@ def main(argv: list[str] | None = None) -> None:
                     help="for --ram-budget: a folder with one pi-profile activation folder per shape (ACT/<shape>)")
     ap.add_argument("--ram-from", type=Path, default=None,
                     help="with --no-ram: the in-RAM speeds of part 3's table from an earlier run's --json")
-    ap.add_argument("--cpu-time", action="store_true",
-                    help="instead: decode tokens per CPU-second at 1 thread (bench_llama3.py --cpu-time: runs of 16 "
-                         "and 16 + N tokens per engine), robust to other processes on the machine")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     shapes = [s.strip() for s in a.shapes.split(",") if s.strip()]
@@ -292,14 +286,6 @@ def main(argv: list[str] | None = None) -> None:
     for f in files.values():
         if not f.is_file():
             ap.error(f"{f}: not found; make it with python benchmarks/make_moe_model.py {a.dir}")
-    if a.cpu_time:
-        engine = "pi-run avx2" if a.avx2 else "pi-run"
-        engines = {"llama.cpp": LlamaBench(a.llama_bin / "llama-bench"), engine: PiRun(avx2=a.avx2)}
-        runs = [(e, "q4_0", int(f.parent.name[1:]), f) for f in files.values() for e in engines]
-        print(f"decode tokens per CPU-second, 1 thread, {a.n_gen} tokens by difference; files "
-              f"{', '.join(str(f) for f in files.values())}; load average {load_avg1():.2f}", flush=True)
-        print(cpu_time_table(runs, engines, a.n_gen, a.timeout))
-        return
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     jpath = a.json or a.dir / f"bench-moe-{stamp}.json"
     header = (f"bench_moe: {stamp}, {os.cpu_count()} CPUs; pp{a.n_prompt} / tg{a.n_gen}, {a.rounds} rounds, threads "

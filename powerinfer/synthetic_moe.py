@@ -90,7 +90,10 @@ class MoeShape:
 
 
 def smallthinker_21b(n_layer: int = 4, **kw) -> MoeShape:
-    """SmallThinker-21BA3B's dimensions (52 layers published) cut to ``n_layer``."""
+    """SmallThinker-21BA3B's dimensions (52 layers published) cut to ``n_layer``: the model card's table
+    (SJTU-IPADS/SmallThinker README: 2560, 28 / 4 heads, 64 experts of 768, 6 used, vocab 151936, 16K
+    context) and its config's layouts (13 global layers at 0, 4, 8, ... of 52, ``sliding_window_size``
+    4096). ``rope_theta`` 1.5e6 and the softmax gate are the 4B config's, not checked for the 21B."""
     return MoeShape("smallthinker", n_layer, n_embd=2560, n_head=28, n_head_kv=4, head_dim=128, n_expert=64,
                     n_expert_used=6, n_ff_exp=768, n_ctx=16384, rope_theta=1.5e6, **kw)
 
