@@ -66,7 +66,7 @@ def check_hf_family(model_dir: Path):
                               f"({fam.name})")
     if not fam.gated or fam.ffn != "reglu" or act.kind not in DENSE_ACTS:
         raise PowerInferError(f"{src}: input sparsity needs a SiLU/GELU-gated FFN; this {fam.name} model's FFN is "
-                              f"{'gated ' if fam.gated else 'not gated, '}{act.kind}")
+                              f"{'gated ' if fam.gated else 'not gated, '}{act.kind}{act.note}")
     if fam.parallel_attn or fam.rope is None:
         raise PowerInferError(f"{src}: input sparsity supports sequential RoPE blocks (Llama, Qwen2/3, Mistral) only")
     return fam, cfg, act
